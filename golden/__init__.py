@@ -1,0 +1,1 @@
+"""PyTorch reference implementations (readable; they define each operator's semantics)."""

@@ -1,0 +1,7 @@
+"""TileLang GPU operators for long-context LLMs. Each op class validates its inputs and launches a
+kernel built (or loaded from the disk cache) at construction; see ``golden`` for the semantics."""
+
+from . import _runtime  # noqa: F401  (points TileLang's cache at ours before TileLang is imported)
+from .mhc_pre import MHCForwardPreTileLang
+
+__all__ = ["MHCForwardPreTileLang"]

@@ -1,0 +1,79 @@
+"""mHC pre forward: demo cases and bench workloads (issue targets: >= 85% of copy bandwidth,
+>= 2x TileLang's DeepSeek example, >= 5x torch.compile of the golden)."""
+
+import importlib.util
+import math
+import pathlib
+
+import torch
+
+from golden.mhc_pre import mhc_forward_pre
+from ops import MHCForwardPreTileLang
+
+_PEER = pathlib.Path(__file__).resolve().parents[2] / ".peers" / "deepseek_mhc_pre.py"
+
+
+def make_inputs(B, S, n, D, device):
+    N = n * n + 2 * n
+    x = torch.randn(B, S, n, D, device=device).to(torch.bfloat16)
+    phi = torch.randn(N, n * D, device=device) / math.sqrt(n * D)
+    alpha = torch.rand(3, device=device) + 0.5
+    bias = torch.randn(N, device=device) * 0.1
+    return x, phi, alpha, bias
+
+
+def _compare(ref, got):
+    max_err = max((g.double() - r.double()).abs().max().item() for g, r in zip(got, ref))
+    rel = max(((g.double() - r.double()).norm() / r.double().norm()).item() for g, r in zip(got, ref))
+    return max_err, rel
+
+
+def demo_cases(device):
+    B, S, n, D = 2, 2048, 4, 4096
+    op = MHCForwardPreTileLang(B, S, n, D)
+    inputs = make_inputs(B, S, n, D, device)
+    return [dict(name="MHCForwardPreTileLang", shape=f"B={B} S={S} n={n} D={D}",
+                 golden=lambda: mhc_forward_pre(*inputs),
+                 compiled=(lambda: op(*inputs)) if device == "cuda" else None,
+                 compare=_compare)]
+
+
+def _deepseek_example():
+    """TileLang's own DeepSeek mHC pre example, if a copy was placed in .peers/ (it is not ours to ship)."""
+    if not _PEER.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("deepseek_mhc_pre", _PEER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.mhc_pre
+
+
+def bench(b):
+    peer = _deepseek_example()
+    golden_compiled = torch.compile(mhc_forward_pre)
+    shapes = [(4, 4096)] if b.quick else [(4, 4096), (4, 7168)]
+    tokens = 16384
+    for n, D in shapes:
+        wl = f"tokens={tokens} n={n} D={D}"
+        op = MHCForwardPreTileLang(1, tokens, n, D)
+        x, phi, alpha, bias = make_inputs(1, tokens, n, D, "cuda")
+        nbytes = x.numel() * 2 + tokens * D * 2 + tokens * (n + n * n) * 4
+        flops = 2 * tokens * n * D * (n * n + 2 * n)
+        ours = b.row("mhc_pre", wl, "tilelang (ours)", b.time(lambda: op(x, phi, alpha, bias)), nbytes, flops, ours=True)
+        b.row("mhc_pre", wl, "golden eager", b.time(lambda: mhc_forward_pre(x, phi, alpha, bias)), nbytes, flops)
+        b.row("mhc_pre", wl, "golden torch.compile", b.time(lambda: golden_compiled(x, phi, alpha, bias)), nbytes, flops)
+        b.target("mhc_pre", wl, f">= 85% of copy bandwidth (got {100 * ours['gbs'] / b.copy_gbs:.1f}%)",
+                 ours["gbs"] >= 0.85 * b.copy_gbs)
+        sc = b.speedup("mhc_pre", wl, "golden torch.compile")
+        b.target("mhc_pre", wl, f">= 5x torch.compile of the golden (got {sc:.2f}x)", sc >= 5)
+        if peer is not None:
+            xf = x.view(tokens, n, D)
+            run = lambda: peer(xf, phi, alpha, bias, 1e-6, 1e-6, 1e-6, 2.0, 1)  # noqa: E731  (one Sinkhorn round)
+            b.row("mhc_pre", wl, "tilelang deepseek example", b.time(run), nbytes, flops)
+            sp = b.speedup("mhc_pre", wl, "tilelang deepseek example")
+            b.target("mhc_pre", wl, f">= 2x TileLang's DeepSeek example (got {sp:.2f}x)", sp >= 2)
+
+
+def autotune_cases(tokens=16384, n=4, D=4096):
+    op = MHCForwardPreTileLang(1, tokens, n, D)
+    return [(op, make_inputs(1, tokens, n, D, "cuda"))]

@@ -1,0 +1,57 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ops import _runtime
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _probe(code, **env):
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, **env),
+                         capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_target_default_and_override():
+    if not _runtime.torch.cuda.is_available():
+        assert _runtime.target() == {"kind": "cuda", "arch": "sm_90a"}
+    override = '{"kind": "cuda", "arch": "sm_80"}'
+    assert _probe("from ops import _runtime; print(_runtime.target())", LLM_TILE_OPS_TARGET=override) == \
+        "{'kind': 'cuda', 'arch': 'sm_80'}"
+
+
+def test_cache_dir_is_checkout_cache_and_overridable(tmp_path):
+    assert _runtime.CACHE_DIR == _runtime._REPO_ROOT / "compile_cache" or "LLM_TILE_OPS_CACHE_DIR" in os.environ
+    code = "from ops import _runtime; import os; print(os.environ['TILELANG_CACHE_DIR'])"
+    assert _probe(code, LLM_TILE_OPS_CACHE_DIR=str(tmp_path)) == str(tmp_path / "tilelang")
+
+
+def test_tuned_config_store(tmp_path, monkeypatch):
+    monkeypatch.setattr(_runtime, "TUNED_FILE", tmp_path / "tuned.json")
+    spec, default = {"n": 4, "D": 4096}, {"block_t": 64, "block_d": 64}
+    assert _runtime.resolve_config("op", spec, None, default) == default
+    _runtime.save_tuned("op", spec, {"block_t": 128, "block_d": 64}, 0.5)
+    assert _runtime.resolve_config("op", spec, None, default) == {"block_t": 128, "block_d": 64}
+    assert _runtime.resolve_config("op", {"n": 2, "D": 4096}, None, default) == default  # other specialization
+    assert _runtime.resolve_config("op", spec, {"block_d": 128}, default) == {"block_t": 64, "block_d": 128}
+    key = next(iter(json.loads((tmp_path / "tuned.json").read_text())))
+    assert key.startswith("op|D=4096,n=4|sm_") and "tilelang-0.1.15" in key
+    with pytest.raises(ValueError, match=r"config: unknown keys \['bogus'\]"):
+        _runtime.resolve_config("op", spec, {"bogus": 1}, default)
+    (tmp_path / "tuned.json").write_text("{not json")  # a damaged store is ignored, not fatal
+    assert _runtime.resolve_config("op", spec, None, default) == default
+
+
+@pytest.mark.parametrize("call,err,match", [
+    (lambda: _runtime.check_int("n", 3.0), TypeError, "n: expected an int, got float 3.0"),
+    (lambda: _runtime.check_int("n", 3, power_of_two=True), ValueError, "n: expected a power of two, got 3"),
+    (lambda: _runtime.check_choice("mode", "x", ["a", "b"]), ValueError, r"mode: expected one of \['a', 'b'\], got 'x'"),
+    (lambda: _runtime.check_tensor("q", [1]), TypeError, "q: expected a torch.Tensor, got list"),
+])
+def test_validation_messages(call, err, match):
+    with pytest.raises(err, match=match):
+        call()
