@@ -53,10 +53,11 @@ def mhc_phi_split_kernel(n: int, D: int, block_d: int = _D_PAD, threads: int = 1
     return mhc_phi_split
 
 
-def mhc_pre_fwd_kernel(n: int, D: int, rms_eps: float, hc_eps: float, num_slots: int,
+def mhc_pre_fwd_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
                        block_t: int = 64, block_d: int = 64, phi_group: int = 4, threads: int = 128):
     N, NG = n * n + 2 * n, _round_up(n * n + 2 * n, 8)
     C = (D + block_d - 1) // block_d  # CTAs per token tile
+    num_slots = _num_slots(C)
     Dp = _round_up(D, _D_PAD)
     sq_chunk = 64  # columns squared per reduction step (bounds the fragment's registers)
     tok_per_cta = (block_t + C - 1) // C  # tokens whose activations one CTA finalizes
@@ -216,7 +217,9 @@ def _spin_until(counter, target):
 
 @T.macro
 def _arrive_and_wait(tid, counter, target):
-    """Publish this CTA's global writes to the tile and wait until all its CTAs have done so."""
+    """Publish this CTA's global writes to the tile and wait until all its CTAs have done so. Every
+    writing thread fences its own stores (not only the arriving thread's release)."""
+    T.call_extern("handle", "__threadfence")
     T.sync_threads()
     if tid == 0:
         T.atomic_add(counter, 1, memory_order="release")
@@ -255,6 +258,7 @@ class MHCForwardPreTileLang:
     """
 
     op_name = "mhc_pre"
+    tunable_kernel = staticmethod(mhc_pre_fwd_kernel)
 
     @staticmethod
     def config_space(n: int, D: int, **_) -> list[dict]:
@@ -296,9 +300,8 @@ class MHCForwardPreTileLang:
                              f"{-(-D // cfg['block_d'])} CTAs of a token tile must fit on the GPU's {_sm_count()} SMs "
                              f"at once, and shared memory ({_smem_bytes(n, **cfg)} bytes) must stay under 220 KiB")
         self.ctas_per_tile = -(-D // cfg["block_d"])
-        self.num_slots = _num_slots(self.ctas_per_tile)
         self._split = compile_kernel(mhc_phi_split_kernel(n, D))
-        self._fwd = compile_kernel(self.build_tunable(self.config))
+        self._fwd = compile_kernel(mhc_pre_fwd_kernel(**self.spec, **self.config))
         self._workspace = {}
 
     def _workspace_for(self, device: torch.device, configs=None):
@@ -326,11 +329,6 @@ class MHCForwardPreTileLang:
         NG = _round_up(self.n * self.n + 2 * self.n, 8)
         return (slots * C * config["block_t"] * NG, slots * C * config["block_t"],
                 _HEAD_COUNTERS + _SLOT_COUNTERS * slots)
-
-    def build_tunable(self, config: dict):
-        """The forward kernel of this specialization for ``config`` (for the autotuner)."""
-        return mhc_pre_fwd_kernel(self.n, self.D, self.spec["rms_eps"], self.spec["hc_eps"],
-                                  _num_slots(-(-self.D // config["block_d"])), **config)
 
     def check_inputs(self, x, phi, alpha, bias) -> None:
         n, D = self.n, self.D

@@ -8,6 +8,7 @@ Needs a GPU (configs are timed).
 """
 
 import argparse
+import functools
 import pathlib
 import sys
 
@@ -25,7 +26,8 @@ def autotune(op, call_inputs, warmup=10, rep=50):
     from tilelang.autotuner import AutoTuner, set_autotune_inputs
 
     configs = op.config_space(**op.spec)
-    tuner = AutoTuner.from_kernel(lambda **cfg: op.build_tunable(cfg), configs)
+    # A module-level builder with the specialization bound: the tuner pickles it for its cache.
+    tuner = AutoTuner.from_kernel(functools.partial(op.tunable_kernel, **op.spec), configs)
     tuner.set_compile_args(target=_runtime.target())
     with set_autotune_inputs(list(op.tune_args(*call_inputs))):
         result = tuner.run(warmup=warmup, rep=rep)
