@@ -3,5 +3,6 @@ kernel built (or loaded from the disk cache) at construction; see ``golden`` for
 
 from . import _runtime  # noqa: F401  (points TileLang's cache at ours before TileLang is imported)
 from .mhc_pre import MHCForwardPreTileLang
+from .paged_prefill import PagedAttentionPrefillTileLang
 
-__all__ = ["MHCForwardPreTileLang"]
+__all__ = ["MHCForwardPreTileLang", "PagedAttentionPrefillTileLang"]

@@ -1,0 +1,119 @@
+"""Paged attention prefill: demo cases and the issue's bench rows (a) (b) (c)."""
+
+import torch
+
+from golden.paged_prefill import gather_kv, paged_attention_prefill
+from ops.paged_prefill import PagedAttentionPrefillTileLang
+
+OP = "PagedAttentionPrefillTileLang"
+H, HKV, D = 32, 8, 128
+
+
+def paged_inputs(q_lens, histories, block_size, dtype=torch.bfloat16, device="cuda", num_heads=H,
+                 num_kv_heads=HKV, head_size=D, kv_layout="HND", seed=0):
+    """Random q and a paged cache whose blocks are scattered in a random order."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    seq_lens = torch.tensor([q + h for q, h in zip(q_lens, histories)])
+    needed = (seq_lens + block_size - 1) // block_size
+    num_blocks = int(needed.sum())
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(q_lens), max(int(needed.max()), 1), dtype=torch.int32)
+    for s, ids in enumerate(perm.split(needed.tolist())):
+        tables[s, :len(ids)] = ids
+    shape = ((num_blocks, num_kv_heads, block_size, head_size) if kv_layout == "HND"
+             else (num_blocks, block_size, num_kv_heads, head_size))
+    cum = torch.tensor([0] + list(q_lens)).cumsum(0).to(torch.int32)
+    return dict(q=torch.randn(int(cum[-1]), num_heads, head_size, generator=gen).to(device, dtype),
+                k_cache=torch.randn(shape, generator=gen).to(device, dtype),
+                v_cache=torch.randn(shape, generator=gen).to(device, dtype),
+                block_tables=tables.to(device), seq_lens=seq_lens.to(device, torch.int32),
+                cum_seq_lens_q=cum.to(device))
+
+
+def causal_flops(q_lens, histories, num_heads=H, head_size=D):
+    """2 matmuls x 2 flops per (query, visible key, dim): query i sees history + i + 1 keys."""
+    pairs = sum(q * h + q * (q + 1) // 2 for q, h in zip(q_lens, histories))
+    return 4 * pairs * num_heads * head_size
+
+
+def _compare(golden_out, compiled_out):
+    g, c = golden_out.float(), compiled_out.float()
+    return (g - c).abs().max().item(), ((g - c).norm() / g.norm()).item()
+
+
+def demo_cases(device: str) -> list[dict]:
+    q_lens, histories = [100, 513, 1, 0], [0, 300, 1000, 5]
+    op = PagedAttentionPrefillTileLang(H, HKV, D, 16, torch.bfloat16)  # built (cached) on cpu too
+    batch = paged_inputs(q_lens, histories, 16, device=device)
+    return [{
+        "name": OP,
+        "shape": f"H={H} Hkv={HKV} D={D} bs=16 q_lens={q_lens} hist={histories}",
+        "golden": lambda: paged_attention_prefill(**batch),
+        "compiled": None if device == "cpu" else (lambda: op(**batch)),
+        "compare": _compare,
+    }]
+
+
+def _sdpa_peers(b, workload, q_lens, histories, batch, flops):
+    """SDPA on the same data stored contiguously ([B, H, S, D], K/V heads expanded), per backend;
+    returns the best ms. Equal-length sequences only."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    n, q_len, kv_len = len(q_lens), q_lens[0], q_lens[0] + histories[0]
+    q = batch["q"].view(n, q_len, H, D).transpose(1, 2).contiguous()
+    kv = [torch.stack([gather_kv(batch[c], batch["block_tables"][s], kv_len) for s in range(n)])
+          .repeat_interleave(H // HKV, dim=2).transpose(1, 2).contiguous() for c in ("k_cache", "v_cache")]
+    mask = {} if histories[0] == 0 else {"attn_mask": causal_lower_right(q_len, kv_len)}
+    best = None
+    for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+        def run(backend=backend):
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(q, *kv, is_causal=not mask, **mask)
+        try:
+            ms = b.time(run)
+        except RuntimeError as e:  # a backend that cannot run this case is reported, not fatal
+            print(f"{workload}: {name} unavailable ({str(e).splitlines()[0][:80]})")
+            continue
+        b.row(OP, workload, name, ms, flops=flops)
+        best = ms if best is None else min(best, ms)
+    return best
+
+
+def bench(b):
+    quick = b.quick
+    tflops = {}
+
+    def case(workload, q_lens, histories, block_size, peers):
+        batch = paged_inputs(q_lens, histories, block_size)
+        op = PagedAttentionPrefillTileLang(H, HKV, D, block_size, torch.bfloat16, validate=False)
+        flops = causal_flops(q_lens, histories)
+        out = torch.empty_like(batch["q"])
+        ms = b.time(lambda: op(**batch, out=out))
+        b.row(OP, workload, "tilelang", ms, flops=flops, ours=True)
+        tflops[workload] = flops / ms * 1e-9
+        best = _sdpa_peers(b, workload, q_lens, histories, batch, flops) if peers else None
+        return ms, best
+
+    n, new = (1, 1024) if quick else (4, 4096)
+    wa = f"(a) {n}x{new} new, no history, bs64"
+    ms, best = case(wa, [new] * n, [0] * n, 64, peers=True)
+    if best is not None:
+        b.target(OP, wa, ">= 1.0x fastest SDPA backend (causal)", ms <= best)
+
+    hist = 1024 if quick else 15360
+    for bs in (16, 64):
+        wb = f"(b) {n}x1024 new + {hist} history, bs{bs}"
+        ms, best = case(wb, [1024] * n, [hist] * n, bs, peers=bs == 64)
+        if best is not None:
+            b.target(OP, wb, "faster than fastest SDPA backend (causal_lower_right)", ms < best)
+        b.target(OP, wb, "TFLOP/s within 15% of (a)", tflops[wb] >= 0.85 * tflops[wa])
+
+    gen = torch.Generator().manual_seed(1)
+    count = 3 if quick else 8
+    q_lens = torch.randint(1, 600 if quick else 6001, (count,), generator=gen).tolist()
+    histories = torch.randint(0, 2000 if quick else 20001, (count,), generator=gen).tolist()
+    wc = f"(c) ragged {count} seqs, new 1..6000, history 0..20000, bs16"
+    case(wc, q_lens, histories, 16, peers=False)
+    worst_b = min(v for k, v in tflops.items() if k.startswith("(b)"))
+    b.target(OP, wc, "TFLOP/s no worse than (b) by more than 25%", tflops[wc] >= 0.75 * worst_b)

@@ -1,0 +1,265 @@
+"""PagedAttentionPrefillTileLang: golden vs a float64 per-token loop, validation, compile-only builds
+(CPU), and compiled vs golden on the GPU."""
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+
+from golden.paged_prefill import paged_attention_prefill
+import ops.paged_prefill as ops_paged_prefill
+from ops.paged_prefill import PagedAttentionPrefillTileLang
+
+
+# ----------------------------------------------------------------------------- inputs
+def make_batch(q_lens, histories, num_heads, num_kv_heads, head_size, block_size, dtype, device="cpu",
+               kv_layout="HND", use_alibi=False, spare_blocks=3, table_dtype=torch.int32, poison=True):
+    """Random ragged batch over a shuffled paged cache. With ``poison``, cache slots past each
+    sequence's end and the unused blocks hold NaN and table entries past the needed blocks hold -1,
+    so any read of them shows up in the output."""
+    seq_lens = [q + h for q, h in zip(q_lens, histories)]
+    needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(needed) + spare_blocks
+    perm = torch.randperm(num_blocks).tolist()
+    max_blocks = max(needed + [1]) + 2
+    tables = torch.full((len(q_lens), max_blocks), -1, dtype=table_dtype)
+    shape = ((num_blocks, num_kv_heads, block_size, head_size) if kv_layout == "HND"
+             else (num_blocks, block_size, num_kv_heads, head_size))
+    k_cache = torch.randn(shape, dtype=torch.float32).to(dtype)
+    v_cache = torch.randn(shape, dtype=torch.float32).to(dtype)
+    if poison:
+        k_cache.fill_(float("nan"))
+        v_cache.fill_(float("nan"))
+    nxt = 0
+    for s, (n, nb) in enumerate(zip(seq_lens, needed)):
+        for b in range(nb):
+            blk = perm[nxt]
+            nxt += 1
+            tables[s, b] = blk
+            valid = min(block_size, n - b * block_size)
+            for cache in (k_cache, v_cache):
+                rows = torch.randn(num_kv_heads, valid, head_size).to(dtype)
+                if kv_layout == "HND":
+                    cache[blk, :, :valid] = rows
+                else:
+                    cache[blk, :valid] = rows.transpose(0, 1)
+    cum = torch.tensor([0] + q_lens).cumsum(0)
+    q = torch.randn(int(cum[-1]), num_heads, head_size).to(dtype)
+    alibi = torch.rand(num_heads) * 0.5 if use_alibi else None
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return dict(q=to(q), k_cache=to(k_cache), v_cache=to(v_cache), block_tables=to(tables),
+                seq_lens=to(torch.tensor(seq_lens, dtype=torch.int64)), cum_seq_lens_q=to(cum),
+                alibi_slopes=to(alibi))
+
+
+def reference_float64(q, k_cache, v_cache, block_tables, seq_lens, cum_seq_lens_q, alibi_slopes=None,
+                      scale=None, kv_layout="HND"):
+    """The seed's algorithm, one query token and head at a time, in float64: max pass, sum pass,
+    weighted-sum pass, each reading KV position t through the block table."""
+    total_q, num_heads, head_size = q.shape
+    hkv_axis, slot_axis = (1, 2) if kv_layout == "HND" else (2, 1)
+    block_size, num_kv_heads = k_cache.shape[slot_axis], k_cache.shape[hkv_axis]
+    scale = head_size ** -0.5 if scale is None else scale
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    cum = cum_seq_lens_q.tolist()
+
+    def row(cache, s, t, kvh):
+        blk = int(block_tables[s, t // block_size])
+        off = t % block_size
+        r = cache[blk, kvh, off] if kv_layout == "HND" else cache[blk, off, kvh]
+        return r.double()
+
+    for s in range(len(cum) - 1):
+        q_len = cum[s + 1] - cum[s]
+        history = int(seq_lens[s]) - q_len
+        for i in range(q_len):
+            limit = history + i
+            for h in range(num_heads):
+                kvh = h // (num_heads // num_kv_heads)
+                qv = q[cum[s] + i, h].double()
+                slope = 0.0 if alibi_slopes is None else float(alibi_slopes[h])
+
+                def score(t):
+                    return scale * float(qv @ row(k_cache, s, t, kvh)) + slope * (t - limit)
+
+                m = max(score(t) for t in range(limit + 1))
+                denom = sum(math.exp(score(t) - m) for t in range(limit + 1))
+                acc = sum(math.exp(score(t) - m) / denom * row(v_cache, s, t, kvh) for t in range(limit + 1))
+                out[cum[s] + i, h] = acc
+    return out
+
+
+CPU_CASES = [
+    # q_lens, histories, heads, kv heads, block_size, layout, alibi
+    ([5, 0, 1, 7], [3, 4, 0, 9], 4, 2, 16, "HND", False),   # GQA, q_len 0 and 1, history 0
+    ([3, 6], [10, 0], 4, 1, 1, "NHD", True),                 # MQA, block_size 1, ALiBi
+    ([9, 2, 4], [0, 17, 5], 2, 2, 4, "HND", True),          # MHA, ALiBi
+    ([4, 5], [33, 2], 6, 3, 16, "NHD", False),
+]
+
+
+@pytest.mark.parametrize("q_lens,histories,heads,kv_heads,block_size,layout,alibi", CPU_CASES)
+def test_golden_matches_float64_loop(q_lens, histories, heads, kv_heads, block_size, layout, alibi):
+    batch = make_batch(q_lens, histories, heads, kv_heads, 8, block_size, torch.float64, kv_layout=layout,
+                       use_alibi=alibi, table_dtype=random.choice([torch.int32, torch.int64]))
+    got = paged_attention_prefill(**batch, scale=0.3, kv_layout=layout)
+    want = reference_float64(**batch, scale=0.3, kv_layout=layout)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert torch.isfinite(got).all()
+
+
+def test_golden_keeps_dtype():
+    batch = make_batch([3, 2], [1, 4], 2, 1, 8, 4, torch.bfloat16)
+    out = paged_attention_prefill(**batch)
+    assert out.dtype == torch.bfloat16 and out.shape == batch["q"].shape
+    ref = reference_float64(**batch)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+# ----------------------------------------------------------------------------- validation
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(num_heads=6, num_kv_heads=4), ValueError, "num_heads"),
+    (dict(head_size=96), ValueError, "head_size"),
+    (dict(block_size=24), ValueError, "block_size"),
+    (dict(block_size=512), ValueError, "block_size"),
+    (dict(block_size=0), ValueError, "block_size"),
+    (dict(dtype=torch.int8), TypeError, "dtype"),
+    (dict(kv_layout="HDN"), ValueError, "kv_layout"),
+    (dict(num_kv_heads=0), ValueError, "num_kv_heads"),
+    (dict(use_alibi=1), TypeError, "use_alibi"),
+    (dict(scale=float("inf")), TypeError, "scale"),
+])
+def test_constructor_rejects(kwargs, err, match):
+    args = dict(num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=torch.bfloat16)
+    with pytest.raises(err, match=match):
+        PagedAttentionPrefillTileLang(**{**args, **kwargs})
+
+
+# The op of the bf16 compile-only case; its kernel is built once (disk cache) for the checks below.
+VALIDATION_SPEC = dict(num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=torch.bfloat16,
+                       use_alibi=True, kv_layout="NHD")
+
+
+@pytest.fixture(scope="module")
+def op():
+    return PagedAttentionPrefillTileLang(**VALIDATION_SPEC)
+
+
+def _valid_batch():
+    return make_batch([5, 3], [2, 20], 8, 2, 128, 16, torch.bfloat16, kv_layout="NHD", use_alibi=True,
+                      poison=False)
+
+
+def _bad(name, fn):
+    def apply(batch):
+        batch[name] = fn(batch[name])
+        return batch
+    return apply
+
+
+@pytest.fixture
+def cpu_tensors_ok(monkeypatch):
+    """Lets the dtype/shape checks run on CPU tensors: only the CUDA-device error is waived."""
+    real = ops_paged_prefill.check_tensor
+
+    def check(name, t, *args, **kwargs):
+        try:
+            real(name, t, *args, **kwargs)
+        except ValueError as e:
+            if "expected a CUDA tensor" not in str(e):
+                raise
+
+    monkeypatch.setattr(ops_paged_prefill, "check_tensor", check)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("mutate,err,match", [
+    (_bad("q", lambda t: t.half()), TypeError, "q: expected dtype"),
+    (_bad("q", lambda t: t[:, :4]), ValueError, "q: expected shape"),
+    (_bad("q", lambda t: t[None]), ValueError, "q: expected shape"),
+    (_bad("k_cache", lambda t: t.float()), TypeError, "k_cache: expected dtype"),
+    (_bad("k_cache", lambda t: t.transpose(1, 2).contiguous()), ValueError, "k_cache: expected shape"),
+    (_bad("k_cache", lambda t: t[:, :, :, :64]), ValueError, "k_cache: expected shape"),
+    (_bad("v_cache", lambda t: t[:-1]), ValueError, "v_cache: expected shape"),
+    (_bad("v_cache", lambda t: t.half()), TypeError, "v_cache: expected dtype"),
+    (_bad("block_tables", lambda t: t.float()), TypeError, "block_tables: expected dtype"),
+    (_bad("block_tables", lambda t: t[0]), ValueError, "block_tables: expected shape"),
+    (_bad("seq_lens", lambda t: t[:1]), ValueError, "seq_lens: expected shape"),
+    (_bad("seq_lens", lambda t: t.float()), TypeError, "seq_lens: expected dtype"),
+    (_bad("cum_seq_lens_q", lambda t: t[:-1]), ValueError, "cum_seq_lens_q: expected shape"),
+    (_bad("alibi_slopes", lambda t: None), ValueError, "alibi_slopes: expected"),
+    (_bad("alibi_slopes", lambda t: t.half()), TypeError, "alibi_slopes: expected dtype"),
+    (_bad("alibi_slopes", lambda t: t[:3]), ValueError, "alibi_slopes: expected shape"),
+])
+def test_call_rejects_tensors(op, cpu_tensors_ok, mutate, err, match):
+    batch = mutate(_valid_batch())
+    with pytest.raises(err, match=match):
+        op(**batch)
+
+
+@pytest.mark.compile
+def test_call_rejects_out_cpu_and_unexpected_alibi(op, cpu_tensors_ok):
+    batch = _valid_batch()
+    with pytest.raises(ValueError, match="out: expected shape"):
+        op(**batch, out=batch["q"][:-1])
+    with pytest.raises(TypeError, match="out: expected dtype"):
+        op(**batch, out=batch["q"].float())
+    no_alibi = copy.copy(op)
+    no_alibi.use_alibi = False  # validation only: same checks as an op built with use_alibi=False
+    with pytest.raises(ValueError, match="use_alibi=False"):
+        no_alibi(**batch)
+
+
+@pytest.mark.compile
+def test_call_rejects_cpu_tensors(op):
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor"):
+        op(**_valid_batch())
+
+
+def _set(name, fn):
+    def apply(b):
+        t = b[name].clone()
+        fn(t)
+        b[name] = t
+        return b
+    return apply
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("mutate,match", [
+    (_set("cum_seq_lens_q", lambda t: t.add_(1)), "start at 0"),
+    (_set("cum_seq_lens_q", lambda t: t.__setitem__(1, 9)), "non-decreasing"),
+    (_set("cum_seq_lens_q", lambda t: t.__setitem__(2, 7)), "end at total_q_tokens"),
+    (_set("seq_lens", lambda t: t.__setitem__(0, 4)), "seq_lens"),
+    (_set("seq_lens", lambda t: t.__setitem__(1, 16 * 4 + 1)), "more blocks than its row"),
+    (_set("block_tables", lambda t: t.__setitem__((1, 1), 10 ** 6)), "out of range"),
+    (_set("block_tables", lambda t: t.__setitem__((0, 0), -1)), "out of range"),
+])
+def test_value_checks(op, mutate, match):
+    batch = _valid_batch()
+    op.check_values(batch["q"], batch["k_cache"], batch["block_tables"], batch["seq_lens"],
+                    batch["cum_seq_lens_q"])  # the valid batch passes
+    batch = mutate(batch)
+    with pytest.raises(ValueError, match=match):
+        op.check_values(batch["q"], batch["k_cache"], batch["block_tables"], batch["seq_lens"],
+                        batch["cum_seq_lens_q"])
+
+
+# ----------------------------------------------------------------------------- compile-only
+# Every dtype, head size 64/128/256, block size 1/16/64, both layouts and ALiBi on/off, once each.
+COMPILE_SPECS = [
+    dict(num_heads=4, num_kv_heads=4, head_size=64, block_size=1, dtype=torch.float16, use_alibi=False,
+         kv_layout="HND"),
+    VALIDATION_SPEC,
+    dict(num_heads=4, num_kv_heads=1, head_size=256, block_size=64, dtype=torch.float32, use_alibi=False,
+         kv_layout="HND"),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", COMPILE_SPECS, ids=lambda s: f"{s['dtype']}-d{s['head_size']}-b{s['block_size']}")
+def test_compiles_for_sm90a(spec):
+    op = PagedAttentionPrefillTileLang(**spec)
+    assert "paged_prefill" in op.kernel.get_kernel_source()

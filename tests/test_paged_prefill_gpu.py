@@ -1,0 +1,95 @@
+"""PagedAttentionPrefillTileLang on the GPU: compiled vs golden on random ragged batches over
+shuffled, NaN-poisoned paged caches; poisoned outputs; CUDA-graph capture and replay."""
+
+import pytest
+import torch
+
+from golden.paged_prefill import paged_attention_prefill
+from ops.paged_prefill import PagedAttentionPrefillTileLang
+from test_paged_prefill import make_batch  # tests/ is on sys.path under pytest
+
+TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2, torch.float32: 4e-3}  # fp32 runs as TF32
+
+# spec, q_lens, histories (q_len 0 and 1, history 0, lengths not multiples of any tile)
+GPU_CASES = [
+    (dict(num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=torch.bfloat16, kv_layout="HND"),
+     [0, 1, 130, 257, 77], [5, 0, 300, 0, 1000]),
+    (dict(num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=torch.bfloat16, use_alibi=True,
+          kv_layout="NHD"), [33, 0, 200], [500, 7, 0]),
+    (dict(num_heads=4, num_kv_heads=4, head_size=64, block_size=1, dtype=torch.float16, use_alibi=True,
+          kv_layout="NHD"), [3, 70, 0, 1], [0, 40, 9, 63]),
+    (dict(num_heads=4, num_kv_heads=1, head_size=256, block_size=64, dtype=torch.float32, kv_layout="HND"),
+     [65, 1, 200], [0, 129, 31]),
+    (dict(num_heads=6, num_kv_heads=2, head_size=256, block_size=256, dtype=torch.bfloat16, use_alibi=True,
+          kv_layout="HND"), [300, 2, 129], [0, 600, 1]),
+    (dict(num_heads=4, num_kv_heads=2, head_size=64, block_size=64, dtype=torch.float16, kv_layout="HND"),
+     [1, 1, 1, 250], [100, 0, 63, 64]),
+]
+
+
+def _run(spec, q_lens, histories, use_out, poisoned, table_dtype=torch.int32):
+    op = PagedAttentionPrefillTileLang(**spec)
+    batch = make_batch(q_lens, histories, spec["num_heads"], spec["num_kv_heads"], spec["head_size"],
+                       spec["block_size"], spec["dtype"], device="cuda", kv_layout=spec["kv_layout"],
+                       use_alibi=spec.get("use_alibi", False), table_dtype=table_dtype)
+    if use_out:
+        out = torch.full_like(batch["q"], float("nan"))
+        got = op(**batch, out=out)
+        assert got is out
+    else:
+        with poisoned():
+            got = op(**batch)
+    want = paged_attention_prefill(**batch, kv_layout=spec["kv_layout"])
+    assert torch.isfinite(got).all()
+    tol = TOL[spec["dtype"]]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(GPU_CASES)))
+def test_matches_golden(case, poisoned):
+    spec, q_lens, histories = GPU_CASES[case]
+    _run(spec, q_lens, histories, use_out=case % 2 == 0, poisoned=poisoned,
+         table_dtype=torch.int64 if case % 3 == 0 else torch.int32)
+
+
+@pytest.mark.gpu
+def test_matches_golden_random_ragged(poisoned):
+    spec = GPU_CASES[0][0]
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for _ in range(3):
+        n = int(torch.randint(1, 7, (), generator=gen))
+        q_lens = torch.randint(0, 300, (n,), generator=gen).tolist()
+        histories = torch.randint(0, 700, (n,), generator=gen).tolist()
+        _run(spec, q_lens, histories, use_out=False, poisoned=poisoned)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    spec = dict(GPU_CASES[0][0], validate=False)
+    op = PagedAttentionPrefillTileLang(**spec)
+    batch = make_batch([40, 0, 129], [7, 3, 200], 8, 2, 128, 16, torch.bfloat16, device="cuda")
+    out = torch.full_like(batch["q"], float("nan"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        op(**batch, out=out)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op(**batch, out=out)
+    batch["q"].copy_(torch.randn_like(batch["q"]))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = paged_attention_prefill(**batch)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_value_checks_on_gpu():
+    op = PagedAttentionPrefillTileLang(**GPU_CASES[0][0])
+    batch = make_batch([4, 5], [0, 3], 8, 2, 128, 16, torch.bfloat16, device="cuda")
+    batch["seq_lens"][1] = 2
+    with pytest.raises(ValueError, match="seq_lens"):
+        op(**batch)
