@@ -1,0 +1,415 @@
+"""mHC pre backward (`MHCBackwardPreTileLang`) and the differentiable `mhc_pre`.
+
+The math (golden/mhc_pre_bwd.py): per token, the gradient of x first needs reductions over the whole
+token, p = g_in . x_i (n dots over D) and g_s = u . h_mix (u from p and the other output gradients),
+so the pass is split in two kernels:
+
+1. `stats` (one CTA per tile of tokens, streaming over D): recomputes h_mix = x @ phi^T with the tensor
+   cores (phi as bf16 hi + lo parts, x exact in bf16, as the forward), the dots p, and from them per
+   token g_mix = d loss / d h_mix [NP], c = -g_s * inv_rms^3 / (n*D), g_z = d loss / d pre-activation
+   (grad_bias terms) and the three grad_alpha terms.
+2. `grad` (one CTA per D-slice and token group, streaming over tokens): grad_x = g_mix @ phi
+   + c * x + h_pre (x) g_in from one read of the x and g_in tiles, and grad_phi^T += x^T @ g_mix on the
+   same tiles (a GEMM whose K is the token dimension). phi's slice stays in shared memory for the whole
+   token stream; each CTA keeps its grad_phi slice in registers and writes it once.
+
+Token reductions (grad_phi over token groups, grad_bias, grad_alpha over tokens) are sums of per-CTA /
+per-token partials in a fixed order: bitwise reproducible, no float atomics.
+g_mix and phi are split into bf16 hi + lo parts for the tensor cores: hi*hi + hi*lo + lo*hi keeps
+~16 mantissa bits, more than TF32.
+"""
+
+import torch
+
+from ._runtime import check_int, check_tensor, compile_kernel, resolve_config
+from .mhc_pre import _D_PAD, MHCForwardPreTileLang, mhc_phi_split_kernel
+
+import tilelang.language as T  # noqa: E402  (after _runtime set the cache dir)
+
+
+def _round_up(v: int, m: int) -> int:
+    return (v + m - 1) // m * m
+
+
+def _dims(n: int, D: int, block_d: int):
+    """M rows of phi; NG = M padded for the tensor cores' N (8) and Dp = D padded to _D_PAD: the layout
+    [NG, n, Dp] of the forward's phi split, reused here; NP = M padded to 32 for g_mix as a tensor-core
+    operand (K multiple of 16, >= 64-byte rows as the MN-major operand of grad_phi); Dc = D padded to
+    block_d (the D-chunks the kernels walk; block_d divides _D_PAD, so Dc <= Dp)."""
+    M = n * n + 2 * n
+    return M, _round_up(M, 8), _round_up(M, 32), _round_up(D, _D_PAD), _round_up(D, block_d)
+
+
+@T.macro
+def _load_x(X, xs, t0, d0, n: int, block_t: int, block_d: int):
+    """x[t0:t0+block_t, i, d0:d0+block_d] of every stream i into xs[:, i*block_d:(i+1)*block_d]
+    (rows past the last token and columns past D read as zero)."""
+    for i in T.unroll(n):
+        T.copy(X[t0:t0 + block_t, i, d0:d0 + block_d], xs[:, i * block_d:(i + 1) * block_d])
+
+
+def mhc_pre_bwd_stats_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: bool = True,
+                             has_g_res: bool = True, block_t: int = 64, block_d: int = 64,
+                             num_stages: int = 2, threads: int = 256):
+    """Per-token backward scalars (module docstring, step 1). An absent output gradient is a [1, ...]
+    placeholder that is never read."""
+    M, NG, NP, Dp, Dc = _dims(n, D, block_d)
+    bk = n * block_d
+    num_tokens = T.dynamic("num_tokens")
+    rows_in, rows_post, rows_res = (num_tokens if has else 1 for has in (has_g_in, has_g_post, has_g_res))
+
+    @T.prim_func
+    def mhc_pre_bwd_stats(
+        X: T.Tensor((num_tokens, n, D), "bfloat16"),
+        PhiHi: T.Tensor((NG, n, Dp), "bfloat16"),
+        PhiLo: T.Tensor((NG, n, Dp), "bfloat16"),
+        Alpha: T.Tensor((3,), "float32"),
+        Bias: T.Tensor((M,), "float32"),
+        InvRms: T.Tensor((num_tokens,), "float32"),
+        GIn: T.Tensor((rows_in, D), "bfloat16"),
+        GPost: T.Tensor((rows_post, n), "float32"),
+        GRes: T.Tensor((rows_res, n * n), "float32"),
+        GMix: T.Tensor((num_tokens, NP), "float32"),
+        CoefX: T.Tensor((num_tokens,), "float32"),
+        GZ: T.Tensor((num_tokens, M), "float32"),
+        GAlpha: T.Tensor((num_tokens, 3), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, block_t), threads=threads) as bx:
+            t0 = bx * block_t
+            xs = T.alloc_shared((block_t, bk), "bfloat16")
+            gs = T.alloc_shared((block_t, block_d), "bfloat16")
+            phi2_s = T.alloc_shared((2 * NG, bk), "bfloat16")  # [hi; lo]: h_mix = sum of both halves
+            mix2 = T.alloc_fragment((block_t, 2 * NG), "float32")
+            mix2_s = T.alloc_shared((block_t, 2 * NG), "float32")
+            q_s = T.alloc_shared((block_t, 3 * n * n), "float32")  # g_z * h_mix by alpha group
+            qsum_s = T.alloc_shared((block_t, 3), "float32")
+
+            T.clear(mix2)
+            if has_g_in:  # p = g_in . x_i, accumulated per element, reduced over D at the end
+                dot = T.alloc_fragment((n, block_t, block_d), "float32")
+                p = T.alloc_fragment((n, block_t), "float32")
+                p_s = T.alloc_shared((n, block_t), "float32")
+                T.clear(dot)
+            for kd in T.Pipelined(Dc // block_d, num_stages=num_stages):
+                d0 = kd * block_d
+                _load_x(X, xs, t0, d0, n, block_t, block_d)
+                for i in T.unroll(n):
+                    T.copy(PhiHi[:, i, d0:d0 + block_d], phi2_s[0:NG, i * block_d:(i + 1) * block_d])
+                    T.copy(PhiLo[:, i, d0:d0 + block_d], phi2_s[NG:2 * NG, i * block_d:(i + 1) * block_d])
+                if has_g_in:
+                    T.copy(GIn[t0:t0 + block_t, d0:d0 + block_d], gs)
+                T.gemm(xs, phi2_s, mix2, transpose_B=True)
+                if has_g_in:
+                    for i, t, d in T.Parallel(n, block_t, block_d):
+                        dot[i, t, d] += T.cast(xs[t, i * block_d + d], "float32") * T.cast(gs[t, d], "float32")
+
+            if has_g_in:
+                T.reduce_sum(dot, p, dim=2)
+                T.copy(p, p_s)
+            T.copy(mix2, mix2_s)
+            T.clear(q_s)
+            # d loss / d pre-activation per (token, row of phi), and d loss / d h_mix.
+            for t, r in T.Parallel(block_t, NP):
+                tok = t0 + t
+                ok = tok < num_tokens
+                s = T.if_then_else(ok, InvRms[T.min(tok, num_tokens - 1)], T.float32(0))
+                grp = T.if_then_else(r < n, 0, T.if_then_else(r < 2 * n, 1, 2))
+                a = Alpha[grp]
+                m = T.if_then_else(r < M, mix2_s[t, T.min(r, NG - 1)] + mix2_s[t, NG + T.min(r, NG - 1)], T.float32(0))
+                sig = T.sigmoid(a * s * m + Bias[T.min(r, M - 1)])
+                g_pre = p_s[T.min(r, n - 1), t] * sig * (1 - sig) if has_g_in else T.float32(0)
+                g_post = (2 * GPost[T.min(tok, rows_post - 1), T.clamp(r - n, 0, n - 1)] * sig * (1 - sig)
+                          if has_g_post else T.float32(0))
+                g_res = GRes[T.min(tok, rows_res - 1), T.clamp(r - 2 * n, 0, n * n - 1)] if has_g_res else T.float32(0)
+                gz = T.if_then_else(ok and r < M, T.if_then_else(
+                    r < n, g_pre, T.if_then_else(r < 2 * n, g_post, g_res)), T.float32(0))
+                if ok:
+                    GMix[tok, r] = s * a * gz
+                    if r < M:
+                        GZ[tok, r] = gz
+                        q_s[t, grp * n * n + T.if_then_else(grp == 2, r - 2 * n, r - grp * n)] = gz * m
+            for t, g in T.Parallel(block_t, 3):
+                qsum_s[t, g] = sum(q_s[t, g * n * n + r] for r in range(n * n))
+            for t in T.Parallel(block_t):
+                tok = t0 + t
+                if tok < num_tokens:
+                    s = InvRms[tok]
+                    g_s = Alpha[0] * qsum_s[t, 0] + Alpha[1] * qsum_s[t, 1] + Alpha[2] * qsum_s[t, 2]
+                    CoefX[tok] = -g_s * s * s * s / (n * D)
+                    for g in T.unroll(3):
+                        GAlpha[tok, g] = s * qsum_s[t, g]
+
+    return mhc_pre_bwd_stats
+
+
+def mhc_pre_bwd_grad_kernel(n: int, D: int, has_g_in: bool = True, token_groups: int = 4,
+                            block_t: int = 64, block_d: int = 64, num_stages: int = 2, threads: int = 256):
+    """grad_x and per-token-group grad_phi^T partials (module docstring, step 2)."""
+    M, NG, NP, Dp, Dc = _dims(n, D, block_d)
+    bk = n * block_d
+    num_tokens = T.dynamic("num_tokens")
+    rows_in = num_tokens if has_g_in else 1
+
+    @T.prim_func
+    def mhc_pre_bwd_grad(
+        X: T.Tensor((num_tokens, n, D), "bfloat16"),
+        PhiHi: T.Tensor((NG, n, Dp), "bfloat16"),
+        PhiLo: T.Tensor((NG, n, Dp), "bfloat16"),
+        HPre: T.Tensor((num_tokens, n), "float32"),
+        GIn: T.Tensor((rows_in, D), "bfloat16"),
+        GMix: T.Tensor((num_tokens, NP), "float32"),
+        CoefX: T.Tensor((num_tokens,), "float32"),
+        GradX: T.Tensor((num_tokens, n, D), "bfloat16"),
+        PartPhiT: T.Tensor((token_groups, n, Dc, NP), "float32"),
+    ):
+        with T.Kernel(Dc // block_d, token_groups, threads=threads) as (bx, by):
+            d0 = bx * block_d
+            xs = T.alloc_shared((block_t, bk), "bfloat16")
+            gs = T.alloc_shared((block_t, block_d), "bfloat16")
+            gm_s = T.alloc_shared((block_t, NP), "float32")
+            c_s = T.alloc_shared((block_t,), "float32")
+            hp_s = T.alloc_shared((block_t, n), "float32")
+            # g_mix as [hi | lo | hi] against phi as [hi; hi; lo]: one K = 3*NP product.
+            gm3_s = T.alloc_shared((block_t, 3 * NP), "bfloat16")
+            phi3_s = T.alloc_shared((3 * NP, bk), "bfloat16")
+            gmhi_s = T.alloc_shared((block_t, NP), "bfloat16")
+            gmlo_s = T.alloc_shared((block_t, NP), "bfloat16")
+            gx = T.alloc_fragment((block_t, bk), "float32")
+            gphi_hi = T.alloc_fragment((bk, NP), "float32")
+            gphi_lo = T.alloc_fragment((bk, NP), "float32")
+
+            for r, k in T.Parallel(NP, bk):
+                ok = r < NG
+                hi = T.if_then_else(ok, PhiHi[T.min(r, NG - 1), k // block_d, d0 + k % block_d], T.bfloat16(0))
+                lo = T.if_then_else(ok, PhiLo[T.min(r, NG - 1), k // block_d, d0 + k % block_d], T.bfloat16(0))
+                phi3_s[r, k] = hi
+                phi3_s[NP + r, k] = hi
+                phi3_s[2 * NP + r, k] = lo
+            T.clear(gphi_hi)
+            T.clear(gphi_lo)
+            tiles = T.ceildiv(T.ceildiv(num_tokens, block_t), token_groups)
+            for it in T.Pipelined(tiles, num_stages=num_stages):
+                t0 = (by * tiles + it) * block_t
+                _load_x(X, xs, t0, d0, n, block_t, block_d)
+                if has_g_in:
+                    T.copy(GIn[t0:t0 + block_t, d0:d0 + block_d], gs)
+                T.copy(GMix[t0:t0 + block_t, :], gm_s)
+                T.copy(CoefX[t0:t0 + block_t], c_s)
+                T.copy(HPre[t0:t0 + block_t, :], hp_s)
+                for t, r in T.Parallel(block_t, NP):
+                    hi = T.cast(gm_s[t, r], "bfloat16")
+                    lo = T.cast(gm_s[t, r] - T.cast(hi, "float32"), "bfloat16")
+                    gm3_s[t, r] = hi
+                    gm3_s[t, NP + r] = lo
+                    gm3_s[t, 2 * NP + r] = hi
+                    gmhi_s[t, r] = hi
+                    gmlo_s[t, r] = lo
+                T.gemm(gm3_s, phi3_s, gx, clear_accum=True)
+                T.gemm(xs, gmhi_s, gphi_hi, transpose_A=True)
+                T.gemm(xs, gmlo_s, gphi_lo, transpose_A=True)
+                for t, k in T.Parallel(block_t, bk):
+                    tok = t0 + t
+                    i = k // block_d
+                    d = d0 + k % block_d
+                    h_in_term = hp_s[t, i] * T.cast(gs[t, k % block_d], "float32") if has_g_in else T.float32(0)
+                    val = gx[t, k] + c_s[t] * T.cast(xs[t, k], "float32") + h_in_term
+                    if tok < num_tokens and d < D:
+                        GradX[tok, i, d] = T.cast(val, "bfloat16")
+            for k, r in T.Parallel(bk, NP):
+                PartPhiT[by, k // block_d, d0 + k % block_d, r] = gphi_hi[k, r] + gphi_lo[k, r]
+
+    return mhc_pre_bwd_grad
+
+
+def _default_config(n: int) -> dict:
+    # block_d keeps n*block_d a multiple of 64 (the grad_phi product's M over 8 warps); n > 4 needs
+    # a single stage to fit shared memory (n = 5 and 7 fit with no block_d, see MHCBackwardPreTileLang).
+    block_d = {6: 32, 8: 16}.get(n, 64)
+    return {"block_t": 64, "block_d": block_d, "token_groups": 4, "num_stages": 2 if n <= 4 else 1}
+
+
+class MHCBackwardPreTileLang:
+    """mHC pre backward: ``op(x, phi, alpha, bias, inv_rms, h_pre, grad_h_in, grad_h_post, grad_h_res)
+    -> (grad_x, grad_phi, grad_alpha, grad_bias)``; see golden/mhc_pre_bwd.py.
+
+    x [B, S, n, D] bf16, phi [n*n+2n, n*D], alpha [3], bias [n*n+2n], and the forward's inv_rms [B, S]
+    and h_pre [B, S, n] (fp32); output gradients grad_h_in [B, S, D] bf16, grad_h_post [B, S, n] fp32,
+    grad_h_res [B, S, n, n] fp32, each may be None (zero, never read). Returns grad_x [B, S, n, D] bf16,
+    grad_phi [n*n+2n, n*D], grad_alpha [3], grad_bias [n*n+2n] fp32. B and S are free at call time.
+    Kernels for the all-gradients case are built at construction, those for a pattern of absent
+    gradients on its first call. n = 5 and 7 are not supported (no tiling fits shared memory).
+    """
+
+    op_name = "mhc_pre_bwd"
+    DEFAULT_CONFIG = _default_config(4)
+    tunable_kernel = staticmethod(mhc_pre_bwd_grad_kernel)
+
+    @staticmethod
+    def config_space(n: int, D: int, **_) -> list[dict]:
+        # block_d and token_groups fix the workspace shapes of tune_args, so they stay at the default.
+        base = _default_config(n)
+        return [{**base, "block_t": bt, "num_stages": s} for bt in (64, 128) for s in (1, 2, 3)
+                if _smem_bytes(n, bt, base["block_d"], s) <= _SMEM_LIMIT]
+
+    def __init__(self, B: int, S: int, n: int, D: int, config: dict | None = None):
+        check_int("B", B, lo=1)
+        check_int("S", S, lo=1)
+        check_int("n", n, lo=1, hi=8)
+        if n in (5, 7):
+            raise ValueError(f"n: expected one of 1, 2, 3, 4, 6, 8 (no tiling of the backward fits shared "
+                             f"memory for n=5 or 7), got {n}")
+        check_int("D", D, lo=8, hi=16384, multiple_of=8)
+        self.B, self.S, self.n, self.D = B, S, n, D
+        self.spec = {"n": n, "D": D}
+        self.config = resolve_config(self.op_name, self.spec, config, _default_config(n))
+        cfg = self.config
+        check_int("config['block_t']", cfg["block_t"], lo=64, hi=128, multiple_of=64)
+        check_int("config['block_d']", cfg["block_d"], lo=16, hi=128, power_of_two=True)
+        if n * cfg["block_d"] % 64:
+            raise ValueError(f"config: n*block_d must be a multiple of 64, got n={n}, block_d={cfg['block_d']}")
+        check_int("config['token_groups']", cfg["token_groups"], lo=1, hi=64)
+        check_int("config['num_stages']", cfg["num_stages"], lo=1, hi=3)
+        need = _smem_bytes(n, cfg["block_t"], cfg["block_d"], cfg["num_stages"])
+        if need > _SMEM_LIMIT:
+            raise ValueError(f"config: {cfg} needs about {need} bytes of shared memory for n={n}, "
+                             f"over {_SMEM_LIMIT}")
+        self._split = compile_kernel(mhc_phi_split_kernel(n, D))
+        self._stats, self._grad = {}, {}
+        self._kernels(True, True, True)
+        self._placeholders = {}
+
+    def _kernels(self, has_g_in: bool, has_g_post: bool, has_g_res: bool):
+        cfg, n, D = self.config, self.n, self.D
+        tiles = {k: cfg[k] for k in ("block_t", "block_d", "num_stages")}
+        key = (has_g_in, has_g_post, has_g_res)
+        if key not in self._stats:
+            self._stats[key] = compile_kernel(mhc_pre_bwd_stats_kernel(n, D, *key, **tiles))
+        if has_g_in not in self._grad:
+            self._grad[has_g_in] = compile_kernel(
+                mhc_pre_bwd_grad_kernel(n, D, has_g_in, token_groups=cfg["token_groups"], **tiles))
+        return self._stats[key], self._grad[has_g_in]
+
+    def check_inputs(self, x, phi, alpha, bias, inv_rms, h_pre, grad_h_in=None, grad_h_post=None,
+                     grad_h_res=None) -> None:
+        n, D, M = self.n, self.D, self.n * self.n + 2 * self.n
+        check_tensor("x", x, torch.bfloat16, (None, None, n, D))
+        B, S = x.shape[:2]
+        dev = x.device
+        check_tensor("phi", phi, torch.float32, (M, n * D), device=dev)
+        check_tensor("alpha", alpha, torch.float32, (3,), device=dev)
+        check_tensor("bias", bias, torch.float32, (M,), device=dev)
+        check_tensor("inv_rms", inv_rms, torch.float32, (B, S), device=dev)
+        check_tensor("h_pre", h_pre, torch.float32, (B, S, n), device=dev)
+        for name, g, dtype, shape in (("grad_h_in", grad_h_in, torch.bfloat16, (B, S, D)),
+                                      ("grad_h_post", grad_h_post, torch.float32, (B, S, n)),
+                                      ("grad_h_res", grad_h_res, torch.float32, (B, S, n, n))):
+            if g is not None:
+                check_tensor(name, g, dtype, shape, device=dev)
+
+    def _placeholder(self, device, shape, dtype):
+        """A tiny tensor standing in for an absent gradient (the kernel variant never reads it)."""
+        key = (device, shape, dtype)
+        if key not in self._placeholders:
+            self._placeholders[key] = torch.zeros(shape, device=device, dtype=dtype)
+        return self._placeholders[key]
+
+    def _launch_args(self, x, phi, alpha, bias, inv_rms, h_pre, grad_h_in, grad_h_post, grad_h_res):
+        n, D, cfg = self.n, self.D, self.config
+        M, NG, NP, Dp, Dc = _dims(n, D, cfg["block_d"])
+        tokens, dev = x.shape[0] * x.shape[1], x.device
+        f32 = dict(device=dev, dtype=torch.float32)
+        phi_hi = torch.empty(NG, n, Dp, device=dev, dtype=torch.bfloat16)
+        phi_lo = torch.empty_like(phi_hi)
+        self._split(phi, phi_hi, phi_lo)
+        g_in = (self._placeholder(dev, (1, D), torch.bfloat16) if grad_h_in is None
+                else grad_h_in.view(tokens, D))
+        g_post = self._placeholder(dev, (1, n), torch.float32) if grad_h_post is None else grad_h_post.view(tokens, n)
+        g_res = (self._placeholder(dev, (1, n * n), torch.float32) if grad_h_res is None
+                 else grad_h_res.view(tokens, n * n))
+        x3 = x.view(tokens, n, D)
+        g_mix, coef = torch.empty(tokens, NP, **f32), torch.empty(tokens, **f32)
+        g_z, g_alpha = torch.empty(tokens, M, **f32), torch.empty(tokens, 3, **f32)
+        grad_x = torch.empty(tokens, n, D, device=dev, dtype=torch.bfloat16)
+        part_phi_t = torch.empty(cfg["token_groups"], n, Dc, NP, **f32)
+        stats_args = (x3, phi_hi, phi_lo, alpha, bias, inv_rms.view(tokens), g_in, g_post, g_res,
+                      g_mix, coef, g_z, g_alpha)
+        grad_args = (x3, phi_hi, phi_lo, h_pre.view(tokens, n), g_in, g_mix, coef, grad_x, part_phi_t)
+        return stats_args, grad_args
+
+    def tune_args(self, x, phi, alpha, bias, inv_rms, h_pre, grad_h_in=None, grad_h_post=None,
+                  grad_h_res=None):
+        """Arguments of the grad kernel (the tunable one) for these call inputs; runs the stats kernel
+        so that they hold real values."""
+        call = (x, phi, alpha, bias, inv_rms, h_pre, grad_h_in, grad_h_post, grad_h_res)
+        self.check_inputs(*call)
+        stats_args, grad_args = self._launch_args(*call)
+        self._kernels(*(g is not None for g in call[6:]))[0](*stats_args)
+        return grad_args
+
+    def __call__(self, x, phi, alpha, bias, inv_rms, h_pre, grad_h_in=None, grad_h_post=None, grad_h_res=None):
+        call = (x, phi, alpha, bias, inv_rms, h_pre, grad_h_in, grad_h_post, grad_h_res)
+        self.check_inputs(*call)
+        B, S, n, D = x.shape
+        M = n * n + 2 * n
+        present = tuple(g is not None for g in call[6:])
+        if B * S == 0 or not any(present):
+            return (torch.zeros_like(x), torch.zeros_like(phi), torch.zeros_like(alpha), torch.zeros_like(bias))
+        stats, grad = self._kernels(*present)
+        stats_args, grad_args = self._launch_args(*call)
+        stats(*stats_args)
+        grad(*grad_args)
+        g_z, g_alpha = stats_args[11:13]
+        grad_x, part_phi_t = grad_args[7:9]
+        # Fixed-order sums of the per-group / per-token partials (deterministic).
+        grad_phi = part_phi_t.sum(0)[:, :D, :M].permute(2, 0, 1).reshape(M, n * D)
+        return grad_x.view(B, S, n, D), grad_phi, g_alpha.sum(0), g_z.sum(0)
+
+
+_SMEM_LIMIT = 220 * 1024
+
+
+def _smem_bytes(n: int, block_t: int, block_d: int, num_stages: int) -> int:
+    """Shared memory of the larger of the two kernels (stats, grad), counting every buffer written
+    inside the pipelined loop once per stage (the pipeline versions them)."""
+    _, NG, NP, _, _ = _dims(n, block_d, block_d)
+    bk = n * block_d
+    stats = (num_stages * (block_t * bk * 2 + block_t * block_d * 2 + 2 * NG * bk * 2)
+             + block_t * (2 * NG + 3 * n * n) * 4)
+    grad = 3 * NP * bk * 2 + num_stages * block_t * (bk * 2 + block_d * 2 + NP * 4 + 5 * NP * 2)
+    return max(stats, grad) + 2048
+
+
+class _MHCPre(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, phi, alpha, bias, rms_eps, hc_eps):
+        fwd, bwd = _ops_for(x, rms_eps, hc_eps)
+        h_in, h_post, h_res, inv_rms, h_pre = fwd(x, phi, alpha, bias, return_aux=True)
+        ctx.save_for_backward(x, phi, alpha, bias, inv_rms, h_pre)
+        ctx.bwd = bwd
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: never read
+        return h_in, h_post, h_res
+
+    @staticmethod
+    def backward(ctx, grad_h_in, grad_h_post, grad_h_res):
+        grads = [None if g is None else g.contiguous() for g in (grad_h_in, grad_h_post, grad_h_res)]
+        grad_x, grad_phi, grad_alpha, grad_bias = ctx.bwd(*ctx.saved_tensors, *grads)
+        return grad_x, grad_phi, grad_alpha, grad_bias, None, None
+
+
+_OPS: dict = {}
+
+
+def _ops_for(x, rms_eps: float, hc_eps: float):
+    """The compiled forward and backward for x's (n, D) and these epsilons, built once per process."""
+    B, S, n, D = x.shape
+    key = (n, D, float(rms_eps), float(hc_eps))
+    if key not in _OPS:
+        _OPS[key] = (MHCForwardPreTileLang(max(B, 1), max(S, 1), n, D, rms_eps, hc_eps),
+                     MHCBackwardPreTileLang(max(B, 1), max(S, 1), n, D))
+    return _OPS[key]
+
+
+def mhc_pre(x, phi, alpha, bias, rms_eps: float = 1e-6, hc_eps: float = 1e-6):
+    """Differentiable mHC pre: (h_in, h_post, h_res) of the compiled forward, with the compiled
+    backward for x, phi, alpha and bias under ``loss.backward()``."""
+    return _MHCPre.apply(x, phi, alpha, bias, rms_eps, hc_eps)
