@@ -1,0 +1,484 @@
+"""htree forward (`HTreeForwardTileLang`): hierarchical tree sparse attention, see ``golden.htree``.
+
+Two kernels:
+  - ``htree_pool_kernel`` builds one tree layer (mean of each node's existing children), once per layer;
+  - ``htree_fwd_kernel`` does the whole top-down walk of one (b, t, kv head) row in one CTA, all layers
+    fused, so the selected parents of a layer live in shared memory and never reach global memory.
+
+Per layer the CTA streams its candidates in chunks of ``block_n``: gathers their K (rotated at their
+buffer position) and scores the G query heads with the tensor cores (M = G padded to 16). Layers l > 0
+take three passes: (1) the per-head log-sum-exp (per-element partial max/sum in registers, reduced once
+per layer), (2) the packed importance keys (fp32 importance, low
+LOG_N bits = ~position) into shared memory, then the top-k threshold by a bitwise binary search over the
+keys (they are distinct, so exactly top_k keys reach it) and an order-preserving compaction of the
+winners into the next layer's parents (candidate buffers are in ascending node order, so the parents
+stay sorted); (3) the non-winners merged into the per-head online softmax with V, against one reference
+per layer (lse bounds every score, so no per-chunk maximum). Layer 0 merges all with a running maximum.
+The walk is latency-bound (dependent gathers and barriers per chunk); see docs/perf_htree.md.
+
+fp32 inputs use split-TF32 products (hi*hi + hi*lo + lo*hi), close to fp32 accuracy so selections match
+an fp32 reference; fp16/bf16 inputs use one 16-bit product with fp32 accumulation.
+
+Memory: the tree above layer 0, sum_{l>=1} N_l ~ T / (r - 1) nodes of K and V per (batch, kv head) in
+the input dtype, plus RoPE tables of max(max_top_nodes, top_k * r) x K/2 fp32 pairs. No workspace grows
+with T beyond that; the output and, on request, the selections [L-1, B, T, Hkv, top_k] int32.
+"""
+
+import math
+import struct
+
+import torch
+
+from golden.htree import RIGHTMOST_IMPORTANCE, pack_bits, rope_tables
+from ._runtime import check_choice, check_int, check_tensor, compile_kernel, resolve_config
+
+import tilelang.language as T  # noqa: E402  (after _runtime set the cache dir)
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_MAX_LAYERS = 32  # r >= 2 and T < 2^31
+_MAX_BUFFER = 16384  # candidate buffer (packed keys live in shared memory)
+_NEG = -1.0e30  # finite "minus infinity": exp2(_NEG - m) == 0 without inf - inf
+_LOG2E = 1.4426950408889634
+_FLT_MIN = 1.1754943508222875e-38
+
+
+def htree_pool_kernel(num_kv_heads: int, head_dim: int, v_head_dim: int, compression_rate: int,
+                      dtype: str, block_i: int = 32, threads: int = 128):
+    """Dst[b, dst_off + i] = mean of Src[b, src_off + i*r + c] over existing children c < r."""
+    H, K, V, r = num_kv_heads, head_dim, v_head_dim, compression_rate
+    B, NS, ND = T.dynamic("B"), T.dynamic("NS"), T.dynamic("ND")
+
+    @T.prim_func
+    def htree_pool(SrcK: T.Tensor((B, NS, H, K), dtype), SrcV: T.Tensor((B, NS, H, V), dtype),
+                   DstK: T.Tensor((B, ND, H, K), dtype), DstV: T.Tensor((B, ND, H, V), dtype),
+                   src_off: T.int32, src_len: T.int32, dst_off: T.int32, dst_len: T.int32):
+        with T.Kernel(T.ceildiv(dst_len, block_i), H, B, threads=threads) as (bi, h, b):
+            for i, d in T.Parallel(block_i, K + V):
+                node = bi * block_i + i
+                count = T.min(r, src_len - node * r)
+                if node < dst_len:
+                    if d < K:
+                        total = sum(T.if_then_else(c < count, T.cast(SrcK[b, T.min(src_off + node * r + c, NS - 1), h,
+                                                                           T.min(d, K - 1)], "float32"), 0.0)
+                                    for c in range(r))
+                        DstK[b, dst_off + node, h, d] = T.cast(total / T.cast(count, "float32"), dtype)
+                    else:
+                        total = sum(T.if_then_else(c < count, T.cast(SrcV[b, T.min(src_off + node * r + c, NS - 1), h,
+                                                                           T.max(d - K, 0)], "float32"), 0.0)
+                                    for c in range(r))
+                        DstV[b, dst_off + node, h, d - K] = T.cast(total / T.cast(count, "float32"), dtype)
+
+    return htree_pool
+
+
+def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
+                     compression_rate: int, top_k: int, max_top_nodes: int, scale: float, dtype: str,
+                     block_n: int = 64, threads: int = 128):
+    H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
+    G = H // Hkv
+    GP = max(16, G)  # tensor-core M
+    half = K // 2
+    log_r = int(math.log2(r))
+    log_n = pack_bits(r, top_k, max_top_nodes)
+    nbuf = 1 << log_n  # every candidate buffer position is below this
+    pos_mask = nbuf - 1
+    split = dtype == "float32"  # split-TF32 products
+    cdt = dtype
+    q_scale = scale * _LOG2E  # scores in the log2 domain
+    seg = -(-nbuf // threads)  # keys per thread in the compaction
+    B, Tn, NN = T.dynamic("B"), T.dynamic("T"), T.dynamic("NN")
+    SL, SB, ST = T.dynamic("SL"), T.dynamic("SB"), T.dynamic("ST")
+    rightmost_key = struct.unpack("<i", struct.pack("<f", RIGHTMOST_IMPORTANCE))[0]
+
+    @T.macro
+    def hi_lo(x, hi_buf, lo_buf, i, j):
+        """Store x (fp32) as its TF32-exact high part and the fp32 remainder."""
+        hi = T.reinterpret(T.bitwise_and(T.reinterpret(x, "int32"), T.int32(-8192)), "float32")
+        hi_buf[i, j] = hi
+        lo_buf[i, j] = x - hi
+
+    def head_sum(buf, j):
+        """sum_g buf[g, j] over the G real heads, in head order like the golden."""
+        total = buf[0, j]
+        for g in range(1, G):
+            total = total + buf[g, j]
+        return total
+
+    @T.macro
+    def load_nodes(parents, node_s, c0, n, n_par):
+        """node_s[j] = layer node of candidate c0 + j (0 past the candidates)."""
+        for j in T.Parallel(block_n):
+            p = c0 + j
+            node_s[j] = T.if_then_else(
+                p < n,
+                T.if_then_else(n_par == 0, p, parents[T.min(p >> log_r, top_k - 1)] * r + T.bitwise_and(p, r - 1)),
+                0)
+
+    @T.macro
+    def load_k(Kt, NodesK, Cos, Sin, node_s, k_s, k_lo, b, h, l, c0, off, n):
+        """K of the chunk's candidates rotated at their buffer positions (zero past the candidates):
+        pairs (i, i + K/2) in one loop, so the gathers of both halves are wide loads."""
+        for j, i in T.Parallel(block_n, half):
+            p = T.min(c0 + j, nbuf - 1)
+            node = node_s[j]
+            x = T.if_then_else(l == 0, T.cast(Kt[b, T.min(node, Tn - 1), h, i], "float32"),
+                               T.cast(NodesK[b, T.min(off + node, NN - 1), h, i], "float32"))
+            y = T.if_then_else(l == 0, T.cast(Kt[b, T.min(node, Tn - 1), h, i + half], "float32"),
+                               T.cast(NodesK[b, T.min(off + node, NN - 1), h, i + half], "float32"))
+            ok = c0 + j < n
+            lo = T.if_then_else(ok, x * Cos[p, i] - y * Sin[p, i], 0.0)
+            hi = T.if_then_else(ok, x * Sin[p, i] + y * Cos[p, i], 0.0)
+            if split:
+                hi_lo(lo, k_s, k_lo, j, i)
+                hi_lo(hi, k_s, k_lo, j, i + half)
+            else:
+                k_s[j, i] = T.cast(lo, cdt)
+                k_s[j, i + half] = T.cast(hi, cdt)
+
+    @T.macro
+    def load_v(Vt, NodesV, node_s, v_s, v_lo, b, h, l, c0, off, n):
+        """V of the chunk's candidates (zero past the candidates, where probabilities are zero too)."""
+        for j, d in T.Parallel(block_n, V):
+            node = node_s[j]
+            x = T.if_then_else(c0 + j < n,
+                               T.if_then_else(l == 0, T.cast(Vt[b, T.min(node, Tn - 1), h, d], "float32"),
+                                              T.cast(NodesV[b, T.min(off + node, NN - 1), h, d], "float32")),
+                               0.0)
+            if split:
+                hi_lo(x, v_s, v_lo, j, d)
+            else:
+                v_s[j, d] = T.cast(x, cdt)
+
+    @T.macro
+    def scores(q_s, q_lo, k_s, k_lo, acc_s, c0, n):
+        """acc_s = log2-domain scores of chunk c0; _NEG past the candidates."""
+        T.clear(acc_s)
+        T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+        if split:
+            T.gemm(q_s, k_lo, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+            T.gemm(q_lo, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+        for g, j in T.Parallel(GP, block_n):
+            acc_s[g, j] = T.if_then_else(c0 + j < n, acc_s[g, j], _NEG)
+
+    @T.macro
+    def rescale(acc_o, s_part, m_run, m_new):
+        """Move the online-softmax state (acc_o, s_part) from reference m_run to m_new >= m_run."""
+        for g, d in T.Parallel(GP, V):
+            acc_o[g, d] *= T.exp2(m_run[g] - m_new[g])
+        for g, j in T.Parallel(GP, block_n):
+            s_part[g, j] *= T.exp2(m_run[g] - m_new[g])
+        for g in T.Parallel(GP):
+            m_run[g] = m_new[g]
+
+    @T.prim_func
+    def htree_fwd(
+        Q: T.Tensor((B, Tn, H, K), dtype),
+        Kt: T.Tensor((B, Tn, Hkv, K), dtype),
+        Vt: T.Tensor((B, Tn, Hkv, V), dtype),
+        NodesK: T.Tensor((B, NN, Hkv, K), dtype),
+        NodesV: T.Tensor((B, NN, Hkv, V), dtype),
+        Cos: T.Tensor((nbuf, half), "float32"),
+        Sin: T.Tensor((nbuf, half), "float32"),
+        LayerOff: T.Tensor((_MAX_LAYERS,), "int32"),
+        O: T.Tensor((B, Tn, H, V), dtype),
+        Sel: T.Tensor((SL, SB, ST, Hkv, top_k), "int32"),
+        num_layers: T.int32,
+        write_sel: T.int32,
+    ):
+        with T.Kernel(Tn, Hkv, B, threads=threads) as (t, h, b):
+            q_raw = T.alloc_shared((GP, K), "float32")
+            q_s = T.alloc_shared((GP, K), cdt)
+            k_s = T.alloc_shared((block_n, K), cdt)
+            v_s = T.alloc_shared((block_n, V), cdt)
+            p_s = T.alloc_shared((GP, block_n), cdt)
+            # low parts of the split-TF32 operands (unused placeholders otherwise)
+            q_lo = T.alloc_shared((GP, K) if split else (1, 1), cdt)
+            k_lo = T.alloc_shared((block_n, K) if split else (1, 1), cdt)
+            v_lo = T.alloc_shared((block_n, V) if split else (1, 1), cdt)
+            p_lo = T.alloc_shared((GP, block_n) if split else (1, 1), cdt)
+            prob_s = T.alloc_shared((GP, block_n), "float32")
+            node_s = T.alloc_shared((block_n,), "int32")
+            keys = T.alloc_shared((nbuf,), "int32")
+            parents = T.alloc_shared((top_k,), "int32")
+            chosen = T.alloc_shared((top_k,), "int32")
+            counts = T.alloc_shared((threads,), "int32")
+            total = T.alloc_shared((1,), "int32")
+
+            acc_s = T.alloc_fragment((GP, block_n), "float32")
+            acc_o = T.alloc_fragment((GP, V), "float32")
+            # per-element partial statistics, reduced once per layer instead of once per chunk
+            s_part = T.alloc_fragment((GP, block_n), "float32")  # softmax sum, reference m_run
+            m_part = T.alloc_fragment((GP, block_n), "float32")
+            l_part = T.alloc_fragment((GP, block_n), "float32")
+            m_run = T.alloc_fragment((GP,), "float32")
+            m_new = T.alloc_fragment((GP,), "float32")
+            lse = T.alloc_fragment((GP,), "float32")
+
+            n = T.alloc_var("int32")  # candidates of this layer
+            n_par = T.alloc_var("int32")  # parents expanded into this layer
+            thr = T.alloc_var("int32")  # smallest winning key
+            cnt = T.alloc_var("int32")
+            w = T.alloc_var("int32")
+            tx = T.get_thread_binding()
+
+            for g, d in T.Parallel(GP, K):
+                q_raw[g, d] = T.if_then_else(g < G, T.cast(Q[b, t, T.min(h * G + g, H - 1), d], "float32"), 0.0)
+            T.fill(acc_o, 0.0)
+            T.fill(s_part, 0.0)
+            T.fill(m_run, _NEG)
+            n_par = 0
+
+            for li in T.serial(num_layers):
+                l = num_layers - 1 - li
+                T.sync_threads()  # the previous layer's readers of q_s / parents are done
+                last = t >> (l * log_r)  # node holding t
+                off = LayerOff[l]
+                if n_par == 0:
+                    n = last + 1
+                else:
+                    n = (n_par - 1) * r + T.bitwise_and(last, r - 1) + 1
+                # The query sits at candidate-local position n - 1.
+                for g, i in T.Parallel(GP, half):
+                    x = q_raw[g, i]
+                    y = q_raw[g, i + half]
+                    lo = q_scale * (x * Cos[n - 1, i] - y * Sin[n - 1, i])
+                    hi = q_scale * (x * Sin[n - 1, i] + y * Cos[n - 1, i])
+                    if split:
+                        hi_lo(lo, q_s, q_lo, g, i)
+                        hi_lo(hi, q_s, q_lo, g, i + half)
+                    else:
+                        q_s[g, i] = T.cast(lo, cdt)
+                        q_s[g, i + half] = T.cast(hi, cdt)
+                chunks = T.ceildiv(n, block_n)
+                thr = 0
+                if l > 0:
+                    # (1) per-head log-sum-exp over all candidates
+                    T.fill(m_part, _NEG)
+                    T.fill(l_part, 0.0)
+                    for c in T.serial(chunks):
+                        load_nodes(parents, node_s, c * block_n, n, n_par)
+                        load_k(Kt, NodesK, Cos, Sin, node_s, k_s, k_lo, b, h, l, c * block_n, off, n)
+                        scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
+                        for g, j in T.Parallel(GP, block_n):
+                            mx = T.max(m_part[g, j], acc_s[g, j])
+                            l_part[g, j] = T.if_then_else(
+                                acc_s[g, j] <= _NEG, l_part[g, j],
+                                l_part[g, j] * T.exp2(m_part[g, j] - mx) + T.exp2(acc_s[g, j] - mx))
+                            m_part[g, j] = mx
+                    T.reduce_max(m_part, m_new, dim=1, clear=True)
+                    for g, j in T.Parallel(GP, block_n):
+                        l_part[g, j] *= T.exp2(m_part[g, j] - m_new[g])
+                    T.reduce_sum(l_part, lse, dim=1, clear=True)
+                    for g in T.Parallel(GP):
+                        lse[g] = m_new[g] + T.log2(lse[g])
+                    # (2) packed importance keys
+                    for c in T.serial(chunks):
+                        load_nodes(parents, node_s, c * block_n, n, n_par)
+                        load_k(Kt, NodesK, Cos, Sin, node_s, k_s, k_lo, b, h, l, c * block_n, off, n)
+                        scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
+                        for g, j in T.Parallel(GP, block_n):
+                            pr = T.exp2(acc_s[g, j] - lse[g])
+                            prob_s[g, j] = T.if_then_else(pr < _FLT_MIN, 0.0, pr)
+                        for j in T.Parallel(block_n):
+                            p = c * block_n + j
+                            bits = T.if_then_else(p == n - 1, rightmost_key, T.reinterpret(head_sum(prob_s, j), "int32"))
+                            if p < n:
+                                keys[p] = T.bitwise_or(T.bitwise_and(bits, ~pos_mask),
+                                                       T.bitwise_and(T.bitwise_not(p), pos_mask))
+                    # top_k-th largest key: the largest thr with #(keys >= thr) >= top_k
+                    if n > top_k:
+                        for bit in T.serial(31):
+                            trial = T.bitwise_or(thr, T.shift_left(1, 30 - bit))
+                            if tx == 0:
+                                total[0] = 0
+                            T.sync_threads()
+                            cnt = 0
+                            for i in T.serial(T.ceildiv(n, threads)):
+                                p = i * threads + tx
+                                if p < n:
+                                    if keys[p] >= trial:
+                                        cnt += 1
+                            cnt = T.warp_reduce_sum(cnt)
+                            if tx % 32 == 0:
+                                T.atomic_add(total[0], cnt)
+                            T.sync_threads()
+                            if total[0] >= top_k:
+                                thr = trial
+                            T.sync_threads()
+                    # order-preserving compaction of the winners (keys >= thr) into `chosen`
+                    cnt = 0
+                    for i in T.serial(seg):
+                        p = tx * seg + i
+                        if p < n:
+                            if keys[p] >= thr:
+                                cnt += 1
+                    counts[tx] = cnt
+                    T.sync_threads()
+                    w = 0
+                    for i in T.serial(threads):
+                        if i < tx:
+                            w += counts[i]
+                    for i in T.serial(seg):
+                        p = tx * seg + i
+                        if p < n:
+                            if keys[p] >= thr:
+                                chosen[w] = T.if_then_else(
+                                    n_par == 0, p,
+                                    parents[p >> log_r] * r + T.bitwise_and(p, r - 1))
+                                w += 1
+                    T.sync_threads()
+                    for i in T.Parallel(top_k):
+                        if i >= T.min(n, top_k):
+                            chosen[i] = -1
+                    if write_sel != 0:
+                        for i in T.Parallel(top_k):
+                            Sel[l - 1, b, t, h, i] = chosen[i]
+                    # lse bounds every score of the layer: one reference for the whole merge below
+                    for g in T.Parallel(GP):
+                        m_new[g] = T.max(m_run[g], lse[g])
+                    rescale(acc_o, s_part, m_run, m_new)
+                # (3) merge the non-winners (layer 0: everything) into the online softmax
+                if l == 0 or n > top_k:
+                    for c in T.serial(chunks):
+                        load_nodes(parents, node_s, c * block_n, n, n_par)
+                        load_k(Kt, NodesK, Cos, Sin, node_s, k_s, k_lo, b, h, l, c * block_n, off, n)
+                        scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
+                        load_v(Vt, NodesV, node_s, v_s, v_lo, b, h, l, c * block_n, off, n)
+                        if l > 0:
+                            for g, j in T.Parallel(GP, block_n):
+                                p = T.min(c * block_n + j, nbuf - 1)
+                                acc_s[g, j] = T.if_then_else(keys[p] >= thr, _NEG, acc_s[g, j])
+                        else:  # no bound known at layer 0: running maximum
+                            T.reduce_max(acc_s, m_new, dim=1, clear=True)
+                            for g in T.Parallel(GP):
+                                m_new[g] = T.max(m_new[g], m_run[g])
+                            rescale(acc_o, s_part, m_run, m_new)
+                        for g, j in T.Parallel(GP, block_n):
+                            acc_s[g, j] = T.if_then_else(acc_s[g, j] <= _NEG, 0.0, T.exp2(acc_s[g, j] - m_run[g]))
+                            s_part[g, j] += acc_s[g, j]
+                            if split:
+                                hi_lo(acc_s[g, j], p_s, p_lo, g, j)
+                            else:
+                                p_s[g, j] = T.cast(acc_s[g, j], cdt)
+                        T.gemm(p_s, v_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
+                        if split:
+                            T.gemm(p_s, v_lo, acc_o, policy=T.GemmWarpPolicy.FullCol)
+                            T.gemm(p_lo, v_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
+                if l > 0:
+                    T.sync_threads()
+                    for i in T.Parallel(top_k):
+                        parents[i] = chosen[i]
+                    n_par = T.min(n, top_k)
+
+            T.reduce_sum(s_part, lse, dim=1, clear=True)
+            for g, d in T.Parallel(GP, V):
+                if g < G:
+                    O[b, t, h * G + g, d] = T.cast(acc_o[g, d] / lse[g], dtype)
+
+    return htree_fwd
+
+
+class HTreeForwardTileLang:
+    """``op(q, k, v, return_selection=False)``: q [B,T,H,K], k [B,T,Hkv,K], v [B,T,Hkv,V] -> o [B,T,H,V]
+    (q's dtype); with ``return_selection`` also the list of layer l >= 1 selections (entry l-1),
+    [B,T,Hkv,top_k] int32 ascending, -1 padded. See the module docstring for the memory needed."""
+
+    op_name = "htree"
+    DEFAULT_CONFIG = {"block_n": 64, "threads": 128}
+    tunable_kernel = staticmethod(htree_fwd_kernel)
+
+    @staticmethod
+    def config_space(**spec) -> list[dict]:
+        return [{"block_n": bn, "threads": 128} for bn in (32, 64, 128)]
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, v_head_dim=None, compression_rate=16,
+                 top_k_per_layer=512, max_top_nodes=8192, rope_base=10000.0, dtype=torch.bfloat16,
+                 scale=None, config=None):
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        check_int("num_heads", num_heads, lo=1)
+        check_int("num_kv_heads", num_kv_heads, lo=1)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_heads}")
+        check_int("num_heads // num_kv_heads", num_heads // num_kv_heads, hi=16)
+        check_int("head_dim", head_dim, multiple_of=2)
+        check_choice("head_dim", head_dim, (32, 64, 128))
+        check_int("v_head_dim", v_head_dim)
+        check_choice("v_head_dim", v_head_dim, (32, 64, 128))
+        check_int("compression_rate", compression_rate, lo=2, power_of_two=True)
+        check_int("top_k_per_layer", top_k_per_layer, lo=1, power_of_two=True)
+        check_int("max_top_nodes", max_top_nodes, lo=1, power_of_two=True)
+        check_int("max(max_top_nodes, top_k_per_layer * compression_rate)",
+                  max(max_top_nodes, top_k_per_layer * compression_rate), hi=_MAX_BUFFER)
+        if isinstance(rope_base, bool) or not isinstance(rope_base, (int, float)) or not rope_base > 0:
+            raise ValueError(f"rope_base: expected a positive number, got {rope_base!r}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+            raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+        if dtype not in _DTYPES:
+            raise TypeError(f"dtype: expected one of {list(_DTYPES)}, got {dtype}")
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim, self.v_head_dim = head_dim, v_head_dim
+        self.compression_rate, self.top_k, self.max_top_nodes = compression_rate, top_k_per_layer, max_top_nodes
+        self.rope_base, self.dtype = float(rope_base), dtype
+        self.scale = float(head_dim ** -0.5 if scale is None else scale)
+        self.spec = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+                     "v_head_dim": v_head_dim, "compression_rate": compression_rate, "top_k": top_k_per_layer,
+                     "max_top_nodes": max_top_nodes, "scale": self.scale, "dtype": _DTYPES[dtype]}
+        self.config = resolve_config(self.op_name, self.spec, config, self.DEFAULT_CONFIG)
+        self.pool = compile_kernel(htree_pool_kernel(num_kv_heads, head_dim, v_head_dim, compression_rate,
+                                                     _DTYPES[dtype]))
+        self.kernel = compile_kernel(htree_fwd_kernel(**self.spec, **self.config))
+        self._tables = {}
+
+    def _rope(self, device):
+        if device not in self._tables:
+            nbuf = 1 << pack_bits(self.compression_rate, self.top_k, self.max_top_nodes)
+            self._tables[device] = rope_tables(self.head_dim, nbuf, self.rope_base, torch.float32, device)
+        return self._tables[device]
+
+    def _check(self, q, k, v, out):
+        if isinstance(q, torch.Tensor) and q.dim() == 4 and 0 in q.shape[:2]:
+            raise ValueError(f"q: expected B >= 1 and T >= 1, got shape {list(q.shape)}")
+        check_tensor("q", q, self.dtype, (None, None, self.num_heads, self.head_dim))
+        B, T = q.shape[:2]
+        check_tensor("k", k, self.dtype, (B, T, self.num_kv_heads, self.head_dim), q.device)
+        check_tensor("v", v, self.dtype, (B, T, self.num_kv_heads, self.v_head_dim), q.device)
+        if out is not None:
+            check_tensor("out", out, self.dtype, (B, T, self.num_heads, self.v_head_dim), q.device)
+
+    def _tree(self, k, v):
+        """Layers 1..L-1 concatenated along the node axis; LayerOff[l] = first row of layer l."""
+        B, T, Hkv = k.shape[:3]
+        r = self.compression_rate
+        sizes = [T]
+        while sizes[-1] > self.max_top_nodes:
+            sizes.append(-(-sizes[-1] // r))
+        offs = [0, 0]
+        for s in sizes[1:-1]:
+            offs.append(offs[-1] + s)
+        nn = max(1, sum(sizes[1:]))
+        nodes_k = k.new_empty(B, nn, Hkv, self.head_dim)
+        nodes_v = v.new_empty(B, nn, Hkv, self.v_head_dim)
+        for l in range(1, len(sizes)):
+            src_k, src_v = (k, v) if l == 1 else (nodes_k, nodes_v)
+            self.pool(src_k, src_v, nodes_k, nodes_v, 0 if l == 1 else offs[l - 1], sizes[l - 1], offs[l], sizes[l])
+        layer_off = torch.zeros(_MAX_LAYERS, dtype=torch.int32)
+        layer_off[:len(sizes)] = torch.tensor(offs[:len(sizes)], dtype=torch.int32)
+        return nodes_k, nodes_v, layer_off.to(k.device), len(sizes)
+
+    def tune_args(self, q, k, v, return_selection=False, out=None):
+        self._check(q, k, v, out)
+        B, T = q.shape[:2]
+        nodes_k, nodes_v, layer_off, L = self._tree(k, v)
+        cos, sin = self._rope(q.device)
+        out = torch.empty(B, T, self.num_heads, self.v_head_dim, dtype=q.dtype, device=q.device) if out is None else out
+        shape = (L - 1, B, T) if return_selection and L > 1 else (1, 1, 1)
+        sel = torch.empty(*shape, self.num_kv_heads, self.top_k, dtype=torch.int32, device=q.device)
+        return (q, k, v, nodes_k, nodes_v, cos, sin, layer_off, out, sel, L, int(return_selection and L > 1))
+
+    def __call__(self, q, k, v, return_selection=False, out=None):
+        args = self.tune_args(q, k, v, return_selection, out)
+        self.kernel(*args)
+        out, sel = args[8], args[9]
+        if not return_selection:
+            return out
+        return out, list(sel.unbind(0)) if args[-1] else []

@@ -1,0 +1,61 @@
+"""htree forward on the GPU: compiled vs golden (selections and outputs), poisoned outputs."""
+
+import contextlib
+
+import pytest
+import torch
+
+from golden.htree import htree_forward
+from ops.htree import HTreeForwardTileLang
+
+# (dtype, H, Hkv, K, V, r, top_k, max_top_nodes, T): T never a multiple of a tile, 2-4 layers
+CASES = [
+    (torch.float32, 8, 2, 32, 64, 4, 4, 16, 300),
+    (torch.bfloat16, 8, 2, 32, 64, 4, 4, 16, 300),
+    (torch.float32, 32, 2, 64, 32, 8, 16, 64, 2001),
+    (torch.bfloat16, 2, 2, 128, 128, 16, 32, 512, 5003),
+]
+TOL = {torch.float32: dict(atol=1e-4, rtol=2e-5), torch.bfloat16: dict(atol=6e-2, rtol=1e-2)}
+
+
+def run_case(dtype, H, Hkv, K, V, r, top_k, max_top, T, B=2, poisoned=contextlib.nullcontext):
+    """Returns (fraction of agreeing selection rows, max error and rel-norm error on agreeing rows,
+    number of agreeing rows); raises on unwritten (NaN) outputs."""
+    q = torch.randn(B, T, H, K, device="cuda", dtype=dtype)
+    k = torch.randn(B, T, Hkv, K, device="cuda", dtype=dtype)
+    v = torch.randn(B, T, Hkv, V, device="cuda", dtype=dtype)
+    op = HTreeForwardTileLang(H, Hkv, K, V, r, top_k, max_top, dtype=dtype)
+    out = torch.full((B, T, H, V), float("nan"), device="cuda", dtype=dtype)
+    with poisoned():  # selections and tree nodes start as garbage too
+        o, sel = op(q, k, v, return_selection=True, out=out)
+    o_ref, sel_ref = htree_forward(q, k, v, r, top_k, max_top, return_selection=True)
+    assert o.data_ptr() == out.data_ptr() and not o.isnan().any()
+    assert len(sel) == len(sel_ref) >= 1
+    rows_ok = torch.stack([(s == s_ref).all(-1) for s, s_ref in zip(sel, sel_ref)])  # [L-1, B, T, Hkv]
+    agree = rows_ok.all(0).repeat_interleave(H // Hkv, dim=2)  # [B, T, H]
+    diff = (o.float() - o_ref.float())[agree]
+    rel = (diff.norm() / o_ref.float()[agree].norm()).item()
+    return rows_ok.float().mean().item(), diff.abs().max().item(), rel, agree.sum().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: f"{str(c[0])[6:]}-G{c[1] // c[2]}-K{c[3]}-r{c[5]}-k{c[6]}-m{c[7]}-T{c[8]}")
+def test_htree_matches_golden(case, poisoned):
+    dtype = case[0]
+    frac, max_err, rel, n_agree = run_case(*case, poisoned=poisoned)
+    if dtype == torch.float32:
+        assert frac >= 0.999, f"selections agree on {frac:.5f} of rows"
+    assert n_agree > 0.5 * case[8] * 2 * case[1]
+    assert max_err <= TOL[dtype]["atol"] and rel <= TOL[dtype]["rtol"], (max_err, rel)
+
+
+@pytest.mark.gpu
+def test_htree_single_layer_and_no_selection():
+    """T <= max_top_nodes: one layer, no selections; plain call returns only the output."""
+    q, k, v = (torch.randn(1, 13, h, d, device="cuda") for h, d in ((8, 32), (2, 32), (2, 64)))
+    op = HTreeForwardTileLang(8, 2, 32, 64, compression_rate=4, top_k_per_layer=4, max_top_nodes=16,
+                              dtype=torch.float32)
+    o, sel = op(q, k, v, return_selection=True)
+    assert sel == []
+    torch.testing.assert_close(op(q, k, v), htree_forward(q, k, v, 4, 4, 16), **TOL[torch.float32])
