@@ -1,0 +1,655 @@
+"""HSA decode (`HSADecodeTileLang`): top-k page selection plus sparse paged decode on SGLang's paged KV.
+
+Selection (``select``) is two kernels: ``hsa_score`` gathers the request's candidate page reprs E_j
+(through ``page_table``) and writes one sortable 32-bit key per (request, kv head, logical page)
+(the fp32 score with its bits flipped so that unsigned order is score order; 0 marks a non-candidate);
+``hsa_topk`` then finds the top-k of each (request, kv head) with a block-wide radix select over the
+56-bit key (score key, 0xFFFFFF - logical page): 8-bit digits, one shared-memory histogram per digit,
+stopping as soon as the k-th key's digits are settled; the index digits only matter on exact score ties
+and then make them go to the smaller logical page. The k winners are ranked by the same key.
+
+Decode is split-K: the items of a (request, kv head) are its selected pages then the pages holding its
+local tokens; split ``s`` of ``num_splits`` takes a contiguous range of items, so the grid is
+num_splits x kv heads x B and fills the GPU even at small batch. The G query heads of a kv head are the
+M rows of one 16-row mma tile (warps split the N of each product, so the padding costs little); each
+item is one physical page (K and V read as a page_size x head_dim box of k_buffer / v_buffer). Per item the page's own softmax is normalized and
+merged into the split's running (o, lse) with a merge logit: the page's lse in ``token`` mode (plain
+flash decoding), z_k = scale * q . E_k in ``softmax`` mode (HSA: the page is one chunk of weight
+exp(z_k)); local pages always merge with their lse, so the window is one more chunk whose log-weight is
+lse_loc. ``hsa_combine`` merges the splits' (o, lse) into o.
+"""
+
+import math
+
+import torch
+
+from ._runtime import check_choice, check_int, check_tensor, compile_kernel, resolve_config
+
+import tilelang.language as T  # noqa: E402  (after _runtime set the cache dir)
+
+_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_STRATEGIES = ("group", "head")
+_COMBINES = ("softmax", "token")
+_REPR_MODES = ("mean", "last")
+_LOG2E = 1.4426950408889634
+_RADIX = 256  # histogram bins of one radix-select digit (= threads of the top-k kernel)
+_KEY_BATCH = 8  # keys each top-k thread loads at once
+_IDX_BITS = 24  # logical page index bits of the selection key (max_pages < 2**24)
+_QROWS_SCORE = 16  # query rows of the score product (the N of E @ Q^T; G <= 16)
+_QROWS_DECODE = 16  # query rows of the decode products (one mma M tile; G <= 16)
+_SMEM_BUDGET = 200 * 1024  # bytes of shared memory a decode CTA may use (sm_90: 227 KiB)
+_ZCOLS = 32  # reprs of a split's selected pages: the N of the z product (>= items_per_split)
+
+
+def _local_pages_max(page_size: int, window_size: int) -> int:
+    """Most logical pages the local tokens [lo, L) can touch: at most max(window, page_size - 1) tokens,
+    starting anywhere in a page."""
+    return (max(window_size, page_size - 1) + page_size - 1) // page_size + 1
+
+
+def _num_splits(page_size: int, topk: int, window_size: int, items_per_split: int) -> int:
+    return -(-(topk + _local_pages_max(page_size, window_size)) // items_per_split)
+
+
+def _decode_smem(page_size: int, head_dim: int, num_stages: int) -> int:
+    """Bytes of shared memory of a decode CTA (16-bit K, V, q and repr tiles)."""
+    return (num_stages * 2 * page_size + _QROWS_DECODE + _ZCOLS) * head_dim * 2
+
+
+def _first_local(L, page_size: int, window_size: int):
+    """lo, the first local token of a request of L tokens (the issue's rule)."""
+    return T.min(T.max(L - window_size, 0), (L // page_size) * page_size)
+
+
+def _u32(v: int):
+    return T.uint32(v)
+
+
+# ----------------------------------------------------------------------------- page representations
+def page_repr_kernel(num_kv_heads: int, head_dim: int, page_size: int, dtype: str, mode: str):
+    """chunk_repr[page_ids[i], h] = mean (or last) of page page_ids[i]'s keys of kv head h."""
+    num_ids, num_slots, num_pages = T.dynamic("num_ids, num_slots, num_pages")
+
+    @T.prim_func
+    def page_repr(k_buffer: T.Tensor((num_slots, num_kv_heads, head_dim), dtype),
+                  page_ids: T.Tensor((num_ids,), "int32"),
+                  chunk_repr: T.Tensor((num_pages, num_kv_heads, head_dim), dtype)):
+        with T.Kernel(num_ids, num_kv_heads, threads=head_dim) as (i, h):
+            acc = T.alloc_fragment((head_dim,), "float32")
+            pid = page_ids[i]
+            if mode == "mean":
+                T.clear(acc)
+                for t in T.serial(page_size):
+                    for d in T.Parallel(head_dim):
+                        acc[d] += T.cast(k_buffer[pid * page_size + t, h, d], "float32")
+                for d in T.Parallel(head_dim):
+                    chunk_repr[pid, h, d] = T.cast(acc[d] / page_size, dtype)
+            else:
+                for d in T.Parallel(head_dim):
+                    chunk_repr[pid, h, d] = k_buffer[pid * page_size + page_size - 1, h, d]
+
+    return page_repr
+
+
+# ----------------------------------------------------------------------------- selection
+def hsa_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
+                     selection_strategy: str, window_size: int, scale: float,
+                     block_pages: int = 64, threads: int = 128):
+    """keys[b, h, j] for candidate pages j < n_cand(b): sortable bits of the score, 0 when the repr is
+    invalid. One CTA per (block of block_pages logical pages, kv head, request): many small gathers in
+    flight rather than a loop over heads."""
+    G = num_heads // num_kv_heads
+    GQ = _QROWS_SCORE
+    batch, max_pages, num_pages = T.dynamic("batch, max_pages, num_pages")
+
+    @T.prim_func
+    def hsa_score(q: T.Tensor((batch, num_heads, head_dim), dtype),
+                  page_table: T.Tensor((batch, max_pages), "int32"),
+                  seq_lens: T.Tensor((batch,), "int32"),
+                  chunk_repr: T.Tensor((num_pages, num_kv_heads, head_dim), dtype),
+                  repr_valid: T.Tensor((num_pages,), "uint8"),
+                  keys: T.Tensor((batch, num_kv_heads, max_pages), "uint32")):
+        with T.Kernel(T.ceildiv(max_pages, block_pages), num_kv_heads, batch, threads=threads) as (c, h, b):
+            q_s = T.alloc_shared((GQ, head_dim), dtype)
+            e_s = T.alloc_shared((block_pages, head_dim), dtype)
+            pid_s = T.alloc_shared((block_pages,), "int32")
+            s_all = T.alloc_fragment((block_pages, GQ), "float32")
+            s = T.alloc_fragment((block_pages,), "float32")
+            L = seq_lens[b]
+            lo = _first_local(L, page_size, window_size)
+            n_cand = lo // page_size
+            j0 = c * block_pages
+            if j0 < n_cand:
+                for r in T.Parallel(block_pages):
+                    # -1: not a candidate (past n_cand) or a stale repr; such rows are never read.
+                    pid_s[r] = T.if_then_else(j0 + r < n_cand, page_table[b, j0 + r], -1)
+                    if pid_s[r] >= 0:
+                        if repr_valid[pid_s[r]] == 0:
+                            pid_s[r] = -1
+                for g, d in T.Parallel(GQ, head_dim):
+                    q_s[g, d] = T.if_then_else(g < G, q[b, h * G + T.min(g, G - 1), d], T.cast(0, dtype))
+                for r, d in T.Parallel(block_pages, head_dim):
+                    e_s[r, d] = T.if_then_else(pid_s[r] >= 0, chunk_repr[T.max(pid_s[r], 0), h, d],
+                                               T.cast(0, dtype))
+                T.gemm(e_s, q_s, s_all, transpose_B=True, clear_accum=True)
+                if selection_strategy == "group":
+                    T.reduce_sum(s_all, s, dim=1)  # padded query rows are zero
+                else:
+                    for r, g in T.Parallel(block_pages, GQ):
+                        s_all[r, g] = T.if_then_else(g < G, s_all[r, g], -T.infinity("float32"))
+                    T.reduce_max(s_all, s, dim=1)
+                for r in T.Parallel(block_pages):
+                    if j0 + r < n_cand:
+                        bits = T.reinterpret(s[r] * scale, "uint32")
+                        # Flip so unsigned order is float order; finite scores stay > 0.
+                        key = T.if_then_else(bits >= _u32(0x80000000), ~bits, bits | _u32(0x80000000))
+                        keys[b, h, j0 + r] = T.if_then_else(pid_s[r] >= 0, key, _u32(0))
+
+    return hsa_score
+
+
+@T.macro
+def _load_keys(keys, kbuf, b, h, it, tx, n_cand):
+    """kbuf[e] = keys of batch ``it`` (0 past n_cand): the loads are issued together, not one per round trip."""
+    for e in T.unroll(_KEY_BATCH):
+        j = (it * _KEY_BATCH + e) * _RADIX + tx
+        kbuf[e] = T.if_then_else(j < n_cand, keys[b, h, j], _u32(0))
+
+
+def _key_to_score(key):
+    bits = T.if_then_else(key >= _u32(0x80000000), key ^ _u32(0x80000000), ~key)
+    return T.reinterpret(bits, "float32")
+
+
+def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: int):
+    """Top-k of keys[b, h, :n_cand(b)] -> selected_page_ids (physical) and scores, best first,
+    padded with -1 / -inf. One CTA of 256 threads per (kv head, request)."""
+    NT = _RADIX
+    batch, max_pages = T.dynamic("batch, max_pages")
+    idx_top = (1 << _IDX_BITS) - 1
+
+    @T.prim_func
+    def hsa_topk(keys: T.Tensor((batch, num_kv_heads, max_pages), "uint32"),
+                 page_table: T.Tensor((batch, max_pages), "int32"),
+                 seq_lens: T.Tensor((batch,), "int32"),
+                 selected_page_ids: T.Tensor((batch, num_kv_heads, topk), "int32"),
+                 selected_scores: T.Tensor((batch, num_kv_heads, topk), "float32")):
+        with T.Kernel(num_kv_heads, batch, threads=NT) as (h, b):
+            tx = T.get_thread_binding()
+            hist = T.alloc_shared((NT,), "int32")
+            suffix = T.alloc_shared((NT + 1,), "int32")
+            # 0: chosen digit, 1: rank still to fill inside the chosen bin, 2: winners written
+            state = T.alloc_shared((3,), "int32")
+            win_key = T.alloc_shared((topk,), "uint32")
+            win_idx = T.alloc_shared((topk,), "int32")
+            # Settled high digits of the k-th key: score key (pu, mu), then index key (pr, mr).
+            pu = T.alloc_var("uint32", _u32(0))
+            mu = T.alloc_var("uint32", _u32(0))
+            pr = T.alloc_var("uint32", _u32(0))
+            mr = T.alloc_var("uint32", _u32(0))
+            need = T.alloc_var("int32", topk)  # rank of the k-th key among keys matching the prefix
+            k_eff = T.alloc_var("int32", topk)
+            done = T.alloc_var("int32", 0)
+            acc = T.alloc_var("int32")
+            rank = T.alloc_var("int32")
+            L = seq_lens[b]
+            lo = _first_local(L, page_size, window_size)
+            n_cand = lo // page_size
+            n_batches = T.ceildiv(n_cand, NT * _KEY_BATCH)
+            kbuf = T.alloc_local((_KEY_BATCH,), "uint32")
+
+            for p in T.serial(4 + _IDX_BITS // 8):
+                if done == 0:
+                    on_score = p < 4
+                    shift = T.if_then_else(on_score, 24 - 8 * p, _IDX_BITS - 8 - 8 * (p - 4))
+                    hist[tx] = 0
+                    T.sync_threads()
+                    for it in T.serial(n_batches):
+                        _load_keys(keys, kbuf, b, h, it, tx, n_cand)
+                        for e in T.unroll(_KEY_BATCH):
+                            u = kbuf[e]
+                            r = T.cast(idx_top - (it * _KEY_BATCH + e) * NT - tx, "uint32")
+                            if u != _u32(0) and (u & mu) == pu and (r & mr) == pr:
+                                digit = T.if_then_else(on_score, u >> T.cast(shift, "uint32"),
+                                                       r >> T.cast(shift, "uint32")) & _u32(0xFF)
+                                T.atomic_add(hist[T.cast(digit, "int32")], 1)
+                    T.sync_threads()
+                    # suffix[t] = sum of hist[t:]: Hillis-Steele scan, log2(NT) steps.
+                    acc = hist[tx]
+                    suffix[tx] = acc
+                    if tx == 0:
+                        suffix[NT] = 0
+                    T.sync_threads()
+                    for step in T.unroll(8):
+                        add = T.if_then_else(tx + (1 << step) < NT, suffix[T.min(tx + (1 << step), NT - 1)], 0)
+                        T.sync_threads()
+                        acc += add
+                        suffix[tx] = acc
+                        T.sync_threads()
+                    if p == 0 and suffix[0] <= topk:
+                        # No more candidates than topk: all of them win, no digit to settle.
+                        k_eff = suffix[0]
+                        done = 1
+                    else:
+                        if suffix[tx] >= need and suffix[tx + 1] < need:
+                            state[0] = tx
+                            state[1] = need - suffix[tx + 1]
+                        T.sync_threads()
+                        need = state[1]
+                        digit_mask = _u32(0xFF) << T.cast(shift, "uint32")
+                        chosen = T.cast(state[0], "uint32") << T.cast(shift, "uint32")
+                        if on_score:
+                            pu = pu | chosen
+                            mu = mu | digit_mask
+                        else:
+                            pr = pr | chosen
+                            mr = mr | digit_mask
+                        # The bin holds exactly the keys still needed: all of them win.
+                        if hist[state[0]] == need:
+                            done = 1
+                    T.sync_threads()
+
+            if tx == 0:
+                state[2] = 0
+            T.sync_threads()
+            for it in T.serial(n_batches):
+                _load_keys(keys, kbuf, b, h, it, tx, n_cand)
+                for e in T.unroll(_KEY_BATCH):
+                    u = kbuf[e]
+                    j = (it * _KEY_BATCH + e) * NT + tx
+                    r = T.cast(idx_top - j, "uint32")
+                    if u != _u32(0) and ((u & mu) > pu or ((u & mu) == pu and (r & mr) >= pr)):
+                        slot = T.atomic_add(state[2], 1, return_prev=True)
+                        if slot < topk:
+                            win_key[slot] = u
+                            win_idx[slot] = j
+            T.sync_threads()
+            for it in T.serial(T.ceildiv(topk, NT)):
+                i = it * NT + tx
+                if i < k_eff:
+                    rank = 0
+                    for m in T.serial(k_eff):
+                        if win_key[m] > win_key[i] or (win_key[m] == win_key[i] and win_idx[m] < win_idx[i]):
+                            rank += 1
+                    selected_page_ids[b, h, rank] = page_table[b, win_idx[i]]
+                    selected_scores[b, h, rank] = _key_to_score(win_key[i])
+                elif i < topk:
+                    selected_page_ids[b, h, i] = -1
+                    selected_scores[b, h, i] = -T.infinity("float32")
+
+    return hsa_topk
+
+
+# ----------------------------------------------------------------------------- decode
+def hsa_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, topk: int,
+                      dtype: str, window_size: int, combine: str, scale: float,
+                      items_per_split: int = 8, num_stages: int = 1):
+    """Per (split, kv head, request): merge the split's items (pages) into partial (o, lse) per query
+    head; items_per_split sets the split count (the grid's x)."""
+    G = num_heads // num_kv_heads
+    GM = _QROWS_DECODE
+    per_split = items_per_split
+    num_splits = _num_splits(page_size, topk, window_size, items_per_split)
+    # Warps split the N of every product (M is one 16-row tile): N = page_size needs >= 8 per warp.
+    threads = 32 * min(4, page_size // 8)
+    fuse_z = combine == "softmax"
+    # splits_cap >= num_splits: the partials' split axis is dynamic so one allocation serves every config.
+    batch, max_pages, num_slots, num_pages, splits_cap = T.dynamic(
+        "batch, max_pages, num_slots, num_pages, splits_cap")
+    f32 = "float32"
+
+    @T.prim_func
+    def hsa_decode(q: T.Tensor((batch, num_heads, head_dim), dtype),
+                   k_buffer: T.Tensor((num_slots, num_kv_heads, head_dim), dtype),
+                   v_buffer: T.Tensor((num_slots, num_kv_heads, head_dim), dtype),
+                   page_table: T.Tensor((batch, max_pages), "int32"),
+                   seq_lens: T.Tensor((batch,), "int32"),
+                   chunk_repr: T.Tensor((num_pages, num_kv_heads, head_dim), dtype),
+                   selected_page_ids: T.Tensor((batch, num_kv_heads, topk), "int32"),
+                   o_part: T.Tensor((batch, num_heads, splits_cap, head_dim), f32),
+                   lse_part: T.Tensor((batch, num_heads, splits_cap), f32)):
+        with T.Kernel(num_splits, num_kv_heads, batch, threads=threads) as (sp, h, b):
+            q_s = T.alloc_shared((GM, head_dim), dtype)
+            k_s = T.alloc_shared((page_size, head_dim), dtype)
+            v_s = T.alloc_shared((page_size, head_dim), dtype)
+            e_s = T.alloc_shared((_ZCOLS, head_dim), dtype)
+            z_s = T.alloc_shared((GM, _ZCOLS), f32)
+            z = T.alloc_fragment((GM, _ZCOLS), f32)
+            acc_s = T.alloc_fragment((GM, page_size), f32)
+            p_s = T.alloc_shared((GM, page_size), dtype)  # P via shared: every warp needs all of its rows
+            acc_o = T.alloc_fragment((GM, head_dim), f32)
+            m_run = T.alloc_fragment((GM,), f32)  # running max of merge logits
+            l_run = T.alloc_fragment((GM,), f32)  # running sum of exp(merge logit - m_run)
+            m_pg = T.alloc_fragment((GM,), f32)
+            l_pg = T.alloc_fragment((GM,), f32)
+            alpha = T.alloc_fragment((GM,), f32)
+            weight = T.alloc_fragment((GM,), f32)
+            L = seq_lens[b]
+            lo = _first_local(L, page_size, window_size)
+            p0 = lo // page_size
+            n_local = T.ceildiv(L, page_size) - p0
+            i0 = sp * per_split
+
+            for g, d in T.Parallel(GM, head_dim):
+                q_s[g, d] = T.if_then_else(g < G, q[b, h * G + T.min(g, G - 1), d], T.cast(0, dtype))
+            T.clear(acc_o)
+            T.fill(m_run, -T.infinity(f32))
+            T.clear(l_run)
+            if fuse_z:
+                for r, d in T.Parallel(_ZCOLS, head_dim):
+                    e_s[r, d] = T.cast(0, dtype)
+                    if r < per_split and i0 + r < topk:
+                        if selected_page_ids[b, h, i0 + r] >= 0:
+                            e_s[r, d] = chunk_repr[selected_page_ids[b, h, i0 + r], h, d]
+                T.gemm(q_s, e_s, z, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                T.copy(z, z_s)
+
+            for it in T.Pipelined(per_split, num_stages=num_stages):
+                # Item i -> physical page and its valid token range [tok_lo, tok_hi). Every iteration
+                # loads a page (an empty item reads page 0 with no valid token) so the loop pipelines.
+                i = i0 + it
+                is_sel = i < topk
+                j_loc = p0 + i - topk  # logical page of a local item
+                is_loc = not is_sel and i - topk < n_local
+                sel_pid = selected_page_ids[b, h, T.min(i, topk - 1)]
+                valid = (is_sel and sel_pid >= 0) or is_loc
+                pid = T.if_then_else(is_sel, T.max(sel_pid, 0),
+                                     T.if_then_else(is_loc, page_table[b, T.min(j_loc, max_pages - 1)], 0))
+                tok_lo = T.if_then_else(is_loc, lo - j_loc * page_size, 0)
+                tok_hi = T.if_then_else(valid, T.if_then_else(is_loc, L - j_loc * page_size, page_size), 0)
+                T.copy(k_buffer[pid * page_size:(pid + 1) * page_size, h, :], k_s)
+                T.copy(v_buffer[pid * page_size:(pid + 1) * page_size, h, :], v_s)
+                T.gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                for g, n in T.Parallel(GM, page_size):
+                    acc_s[g, n] = T.if_then_else(n >= tok_lo and n < tok_hi, acc_s[g, n] * (scale * _LOG2E),
+                                                 -T.infinity(f32))
+                T.reduce_max(acc_s, m_pg, dim=1)
+                for g in T.Parallel(GM):
+                    m_pg[g] = T.if_then_else(valid, m_pg[g], 0)  # keeps an empty item's exp2 at 0, not NaN
+                for g, n in T.Parallel(GM, page_size):
+                    acc_s[g, n] = T.exp2(acc_s[g, n] - m_pg[g])
+                T.reduce_sum(acc_s, l_pg, dim=1)
+                for g in T.Parallel(GM):
+                    # Merge logit in log2 units: z_k for a selected page in softmax mode, else the lse.
+                    logit = m_pg[g] + T.log2(l_pg[g])
+                    if fuse_z:
+                        logit = T.if_then_else(is_sel, z_s[g, it] * (scale * _LOG2E), logit)
+                    m_new = T.if_then_else(valid, T.max(m_run[g], logit), m_run[g])
+                    alpha[g] = T.if_then_else(valid, T.exp2(m_run[g] - m_new), 1)
+                    weight[g] = T.if_then_else(valid, T.exp2(logit - m_new), 0)
+                    l_run[g] = l_run[g] * alpha[g] + weight[g]
+                    weight[g] = T.if_then_else(valid, weight[g] / l_pg[g], 0)
+                    m_run[g] = m_new
+                for g, d in T.Parallel(GM, head_dim):
+                    acc_o[g, d] *= alpha[g]
+                for g, n in T.Parallel(GM, page_size):
+                    p_s[g, n] = T.cast(acc_s[g, n] * weight[g], dtype)
+                T.gemm(p_s, v_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
+
+            for g, d in T.Parallel(GM, head_dim):
+                if g < G:
+                    o_part[b, h * G + g, sp, d] = T.if_then_else(l_run[g] > 0, acc_o[g, d] / l_run[g], 0)
+            for g in T.Parallel(GM):
+                if g < G:
+                    lse_part[b, h * G + g, sp] = T.if_then_else(
+                        l_run[g] > 0, (m_run[g] + T.log2(l_run[g])) / _LOG2E, -T.infinity(f32))
+
+    return hsa_decode
+
+
+def hsa_combine_kernel(num_heads: int, head_dim: int, dtype: str, num_splits: int):
+    """o[b, h] = sum over splits of exp(lse_s) o_s / sum of exp(lse_s); 0 when every split is empty."""
+    batch, splits_cap = T.dynamic("batch, splits_cap")
+    f32 = "float32"
+
+    @T.prim_func
+    def hsa_combine(o_part: T.Tensor((batch, num_heads, splits_cap, head_dim), f32),
+                    lse_part: T.Tensor((batch, num_heads, splits_cap), f32),
+                    o: T.Tensor((batch, num_heads, head_dim), dtype)):
+        with T.Kernel(num_heads, batch, threads=head_dim) as (hq, b):
+            acc = T.alloc_fragment((head_dim,), f32)
+            m = T.alloc_var(f32)
+            total = T.alloc_var(f32)
+            w = T.alloc_var(f32)
+            m = -T.infinity(f32)
+            for s in T.unroll(num_splits):
+                m = T.max(m, lse_part[b, hq, s])
+            total = 0
+            T.clear(acc)
+            if m > -T.infinity(f32):
+                for s in T.unroll(num_splits):
+                    w = T.exp(lse_part[b, hq, s] - m)
+                    total += w
+                    for d in T.Parallel(head_dim):
+                        acc[d] += w * o_part[b, hq, s, d]
+            for d in T.Parallel(head_dim):
+                o[b, hq, d] = T.cast(T.if_then_else(total > 0, acc[d] / total, 0), dtype)
+
+    return hsa_combine
+
+
+# ----------------------------------------------------------------------------- ops
+def _dtype_name(dtype) -> str:
+    if dtype not in _DTYPES:
+        raise TypeError(f"dtype: expected one of {list(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _check_values(checks: list[tuple[str, torch.Tensor]]) -> None:
+    """Raise ValueError for the first failed (message, bool tensor) check: one host sync for all."""
+    if not checks:
+        return
+    ok = torch.stack([c.all() for _, c in checks]).tolist()
+    for (msg, _), good in zip(checks, ok):
+        if not good:
+            raise ValueError(msg)
+
+
+class HSAPageReprTileLang:
+    """Fills chunk_repr rows of completed pages: ``mode="mean"`` (mean of the page's keys per kv head) or
+    ``"last"`` (its last key). ``op(k_buffer, page_ids, chunk_repr)`` writes rows ``page_ids`` of
+    chunk_repr in place (nothing else) and returns chunk_repr."""
+
+    op_name = "hsa_page_repr"
+
+    def __init__(self, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, mode: str = "mean"):
+        check_int("num_kv_heads", num_kv_heads, lo=1)
+        check_choice("head_dim", head_dim, (64, 128, 256))
+        check_choice("page_size", page_size, (16, 32, 64, 128))
+        check_choice("mode", mode, _REPR_MODES)
+        self.dtype = dtype
+        self.spec = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+                         dtype=_dtype_name(dtype), mode=mode)
+        self.kernel = compile_kernel(page_repr_kernel(**self.spec))
+
+    def __call__(self, k_buffer: torch.Tensor, page_ids: torch.Tensor, chunk_repr: torch.Tensor,
+                 validate: bool = True) -> torch.Tensor:
+        Hkv, D, ps = self.spec["num_kv_heads"], self.spec["head_dim"], self.spec["page_size"]
+        check_tensor("k_buffer", k_buffer, self.dtype, (None, Hkv, D))
+        check_tensor("page_ids", page_ids, torch.int32, (None,), device=k_buffer.device)
+        check_tensor("chunk_repr", chunk_repr, self.dtype, (None, Hkv, D), device=k_buffer.device)
+        num_pages = chunk_repr.shape[0]
+        if k_buffer.shape[0] < num_pages * ps:
+            raise ValueError(f"k_buffer: expected at least num_physical_pages * page_size = {num_pages * ps} "
+                             f"slots, got {k_buffer.shape[0]}")
+        if validate:
+            _check_values([(f"page_ids: expected values in [0, {num_pages})",
+                            (page_ids >= 0) & (page_ids < num_pages))])
+        if page_ids.numel():
+            self.kernel(k_buffer, page_ids, chunk_repr)
+        return chunk_repr
+
+
+class HSADecodeTileLang:
+    """HSA decode: per request and kv head, top-k pages by repr score, then attention over those pages
+    and the local tokens, combined per ``combine`` (see golden/hsa_decode.py for the semantics).
+
+    ``op(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid=None, selected_page_ids=None,
+    out=None, validate=True) -> o``; ``op.select(q, page_table, seq_lens, chunk_repr, repr_valid=None,
+    validate=True) -> (selected_page_ids, selected_scores)``. ``validate=False`` skips the value checks
+    that need a host sync (seq_lens range, page ids in range), so a call can be captured in a CUDA graph.
+    """
+
+    op_name = "hsa_decode"
+    DEFAULT_CONFIG = {"items_per_split": 8, "num_stages": 1}
+
+    @staticmethod
+    def config_space(**spec) -> list[dict]:
+        return [{"items_per_split": n, "num_stages": s} for n in (4, 8, 16, 32) for s in (1, 2)
+                if _decode_smem(spec["page_size"], spec["head_dim"], s) <= _SMEM_BUDGET]
+
+    tunable_kernel = staticmethod(hsa_decode_kernel)
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, topk: int,
+                 dtype: torch.dtype, selection_strategy: str = "group", window_size: int = 0,
+                 combine: str = "softmax", scale: float | None = None, config: dict | None = None,
+                 score_config: dict | None = None):
+        check_int("num_heads", num_heads, lo=1)
+        check_int("num_kv_heads", num_kv_heads, lo=1)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads: expected a multiple of num_kv_heads ({num_kv_heads}) so that "
+                             f"G = num_heads / num_kv_heads is an integer, got {num_heads}")
+        check_int("G (num_heads / num_kv_heads)", num_heads // num_kv_heads, lo=1, hi=16)
+        check_choice("head_dim", head_dim, (64, 128, 256))
+        check_choice("page_size", page_size, (16, 32, 64, 128))
+        check_int("topk", topk, lo=1, hi=2048)
+        check_choice("selection_strategy", selection_strategy, _STRATEGIES)
+        check_int("window_size", window_size, lo=0)
+        check_choice("combine", combine, _COMBINES)
+        if scale is None:
+            scale = head_dim ** -0.5
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale: expected a positive finite float or None, got {scale!r}")
+        self.dtype = dtype
+        self.selection_strategy = selection_strategy
+        self.spec = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         page_size=page_size, topk=topk, dtype=_dtype_name(dtype), window_size=window_size,
+                         combine=combine, scale=float(scale))
+        self.config = resolve_config(self.op_name, self.spec, config, self.DEFAULT_CONFIG)
+        check_int("config['items_per_split']", self.config["items_per_split"], lo=1, hi=_ZCOLS)
+        check_int("config['num_stages']", self.config["num_stages"], lo=1, hi=2)
+        smem = _decode_smem(page_size, head_dim, self.config["num_stages"])
+        if smem > _SMEM_BUDGET:
+            raise ValueError(f"config['num_stages']: {self.config['num_stages']} stages of K and V pages need "
+                             f"{smem} bytes of shared memory, more than {_SMEM_BUDGET}")
+        self.num_splits = _num_splits(page_size, topk, window_size, self.config["items_per_split"])
+        sp = self.spec
+        score_config = score_config or {}
+        self.score_kernel = compile_kernel(hsa_score_kernel(
+            num_heads, num_kv_heads, head_dim, page_size, sp["dtype"], selection_strategy, window_size, sp["scale"],
+            **score_config))
+        self.topk_kernel = compile_kernel(hsa_topk_kernel(num_kv_heads, page_size, topk, window_size))
+        # Without warp specialization: every warp computes (the products split N over all of them).
+        self.decode_kernel = compile_kernel(hsa_decode_kernel(**sp, **self.config),
+                                            pass_configs={"tl.disable_warp_specialized": True})
+        self.combine_kernel = compile_kernel(hsa_combine_kernel(num_heads, head_dim, sp["dtype"], self.num_splits))
+
+    # -- validation
+    def _check_common(self, q, page_table, seq_lens, chunk_repr, repr_valid):
+        sp = self.spec
+        Hq, Hkv, D = sp["num_heads"], sp["num_kv_heads"], sp["head_dim"]
+        check_tensor("q", q, self.dtype, (None, Hq, D))
+        B, dev = q.shape[0], q.device
+        if B < 1:
+            raise ValueError("q: expected a batch of at least 1 request, got 0")
+        check_tensor("page_table", page_table, torch.int32, (B, None), device=dev)
+        check_tensor("seq_lens", seq_lens, torch.int32, (B,), device=dev)
+        check_tensor("chunk_repr", chunk_repr, self.dtype, (None, Hkv, D), device=dev)
+        max_pages, num_pages = page_table.shape[1], chunk_repr.shape[0]
+        if max_pages < 1 or num_pages < 1:
+            raise ValueError(f"page_table / chunk_repr: expected at least one page, got max_pages={max_pages}, "
+                             f"num_physical_pages={num_pages}")
+        if max_pages >= 1 << _IDX_BITS or max_pages * sp["page_size"] >= 1 << 31:
+            raise ValueError(f"page_table: expected max_pages * page_size < 2**31 and max_pages < 2**{_IDX_BITS}, "
+                             f"got max_pages={max_pages}")
+        if repr_valid is not None:
+            check_tensor("repr_valid", repr_valid, torch.bool, (num_pages,), device=dev)
+
+    def _value_checks(self, page_table, seq_lens, num_pages):
+        ps = self.spec["page_size"]
+        max_pages = page_table.shape[1]
+        used = torch.arange(max_pages, device=page_table.device) < ((seq_lens + ps - 1) // ps)[:, None]
+        return [
+            (f"seq_lens: expected values in [1, max_pages * page_size = {max_pages * ps}] (seq_len 0 is an error)",
+             (seq_lens >= 1) & (seq_lens <= max_pages * ps)),
+            (f"page_table: expected the pages of each request (logical page < ceil(seq_len / page_size)) "
+             f"to be physical page ids in [0, {num_pages})",
+             ~used | ((page_table >= 0) & (page_table < num_pages))),
+        ]
+
+    # -- entry points
+    def select(self, q, page_table, seq_lens, chunk_repr, repr_valid=None, validate: bool = True):
+        """-> (selected_page_ids [B, Hkv, topk] int32 padded -1, selected_scores fp32 padded -inf), best first."""
+        self._check_common(q, page_table, seq_lens, chunk_repr, repr_valid)
+        if validate:
+            _check_values(self._value_checks(page_table, seq_lens, chunk_repr.shape[0]))
+        return self._select(q, page_table, seq_lens, chunk_repr, repr_valid)
+
+    def _select(self, q, page_table, seq_lens, chunk_repr, repr_valid):
+        B, Hkv, k = q.shape[0], self.spec["num_kv_heads"], self.spec["topk"]
+        if repr_valid is None:
+            valid = torch.ones(chunk_repr.shape[0], dtype=torch.uint8, device=q.device)
+        else:
+            valid = repr_valid.view(torch.uint8)
+        # Allocated as int32: torch has few uint32 kernels (fills included).
+        keys = torch.empty(B, Hkv, page_table.shape[1], dtype=torch.int32, device=q.device).view(torch.uint32)
+        ids = torch.empty(B, Hkv, k, dtype=torch.int32, device=q.device)
+        scores = torch.empty(B, Hkv, k, dtype=torch.float32, device=q.device)
+        self.score_kernel(q, page_table, seq_lens, chunk_repr, valid, keys)
+        self.topk_kernel(keys, page_table, seq_lens, ids, scores)
+        return ids, scores
+
+    def _check_decode(self, q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid,
+                      selected_page_ids, out):
+        self._check_common(q, page_table, seq_lens, chunk_repr, repr_valid)
+        sp = self.spec
+        Hkv, D, dev = sp["num_kv_heads"], sp["head_dim"], q.device
+        check_tensor("k_buffer", k_buffer, self.dtype, (None, Hkv, D), device=dev)
+        need = chunk_repr.shape[0] * sp["page_size"]
+        if k_buffer.shape[0] < need:
+            raise ValueError(f"k_buffer: expected at least num_physical_pages * page_size = {need} slots, "
+                             f"got {k_buffer.shape[0]}")
+        check_tensor("v_buffer", v_buffer, self.dtype, tuple(k_buffer.shape), device=dev)
+        if selected_page_ids is not None:
+            check_tensor("selected_page_ids", selected_page_ids, torch.int32, (q.shape[0], Hkv, sp["topk"]),
+                         device=dev)
+        if out is not None:
+            check_tensor("out", out, self.dtype, tuple(q.shape), device=dev)
+
+    def __call__(self, q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid=None,
+                 selected_page_ids=None, out=None, validate: bool = True):
+        self._check_decode(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid,
+                           selected_page_ids, out)
+        num_pages = chunk_repr.shape[0]
+        if validate:
+            checks = self._value_checks(page_table, seq_lens, num_pages)
+            if selected_page_ids is not None:
+                checks.append((f"selected_page_ids: expected -1 or physical page ids in [0, {num_pages})",
+                               (selected_page_ids >= -1) & (selected_page_ids < num_pages)))
+            _check_values(checks)
+        if selected_page_ids is None:
+            selected_page_ids, _ = self._select(q, page_table, seq_lens, chunk_repr, repr_valid)
+        o_part, lse_part = self._partials(q, self.num_splits)
+        self.decode_kernel(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, selected_page_ids,
+                           o_part, lse_part)
+        if out is None:
+            out = torch.empty_like(q)
+        self.combine_kernel(o_part, lse_part, out)
+        return out
+
+    @staticmethod
+    def _partials(q, num_splits):
+        B, Hq, D = q.shape
+        return (torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device),
+                torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device))
+
+    def tune_args(self, q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid=None,
+                  selected_page_ids=None):
+        """Arguments of ``tunable_kernel`` (the decode kernel) for these call inputs; the partials have
+        room for the most splits any config makes (items_per_split=1)."""
+        if selected_page_ids is None:
+            selected_page_ids, _ = self.select(q, page_table, seq_lens, chunk_repr, repr_valid)
+        sp = self.spec
+        cap = _num_splits(sp["page_size"], sp["topk"], sp["window_size"], 1)
+        return (q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, selected_page_ids,
+                *self._partials(q, cap))

@@ -1,0 +1,284 @@
+"""HSA decode: golden vs a float64 per-request loop written from the issue's rules, validation errors,
+and compile-only builds for sm_90a (GPU checks live in test_hsa_decode_gpu.py)."""
+
+import math
+
+import pytest
+import torch
+
+from golden.hsa_decode import hsa_decode, page_repr, random_case, select_pages
+from ops.hsa_decode import HSADecodeTileLang, HSAPageReprTileLang
+
+
+# ----------------------------------------------------------------------------- float64 definition
+def _softmax_attend(qv, keys, vals, scale):
+    """Plain-Python softmax attention of one query over lists of key / value vectors -> (o, lse)."""
+    logits = [scale * float(qv @ k) for k in keys]
+    m = max(logits)
+    w = [math.exp(x - m) for x in logits]
+    total = sum(w)
+    o = sum(wi * v for wi, v in zip(w, vals)) / total
+    return o, m + math.log(total)
+
+
+def reference(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, page_size, topk, strategy,
+              window_size, combine, repr_valid=None, scale=None):
+    """The issue's rules, one request, kv head and query head at a time, in float64."""
+    q, k_buffer, v_buffer, chunk_repr = (t.double() for t in (q, k_buffer, v_buffer, chunk_repr))
+    B, Hq, D = q.shape
+    Hkv = chunk_repr.shape[1]
+    G = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    o = torch.zeros(B, Hq, D, dtype=torch.float64)
+    ids = torch.full((B, Hkv, topk), -1, dtype=torch.int32)
+    for b in range(B):
+        L = int(seq_lens[b])
+        n_full = L // page_size
+        lo = min(max(0, L - window_size), n_full * page_size)
+        cands = [j for j in range(n_full) if (j + 1) * page_size <= lo
+                 and (repr_valid is None or bool(repr_valid[int(page_table[b, j])]))]
+        local = [int(page_table[b, t // page_size]) * page_size + t % page_size for t in range(lo, L)]
+        for h in range(Hkv):
+            heads = [q[b, h * G + g] for g in range(G)]
+            score = {}
+            for j in cands:
+                E = chunk_repr[int(page_table[b, j]), h]
+                if strategy == "group":
+                    score[j] = scale * float(sum(heads) @ E)
+                else:
+                    score[j] = max(scale * float(qg @ E) for qg in heads)
+            chosen = sorted(cands, key=lambda j: (-score[j], j))[:topk]
+            pages = [int(page_table[b, j]) for j in chosen]
+            ids[b, h, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            for g in range(G):
+                qv = heads[g]
+                page_slots = [[p * page_size + i for i in range(page_size)] for p in pages]
+                if combine == "token":
+                    slots = [s for ps in page_slots for s in ps] + local
+                    if slots:
+                        o[b, h * G + g] = _softmax_attend(qv, [k_buffer[s, h] for s in slots],
+                                                          [v_buffer[s, h] for s in slots], scale)[0]
+                    continue
+                outs, logits = [], []
+                for p, slots in zip(pages, page_slots):
+                    outs.append(_softmax_attend(qv, [k_buffer[s, h] for s in slots],
+                                                [v_buffer[s, h] for s in slots], scale)[0])
+                    logits.append(scale * float(qv @ chunk_repr[p, h]))
+                if local:
+                    o_loc, lse_loc = _softmax_attend(qv, [k_buffer[s, h] for s in local],
+                                                     [v_buffer[s, h] for s in local], scale)
+                    outs.append(o_loc)
+                    logits.append(lse_loc)
+                if outs:
+                    m = max(logits)
+                    w = [math.exp(x - m) for x in logits]
+                    o[b, h * G + g] = sum(wi * oi for wi, oi in zip(w, outs)) / sum(w)
+    return o, ids
+
+
+# window 0, smaller than a page, several pages (page_size 8); seq_lens hit page boundaries and
+# requests with no candidate at all (5) or none outside the window (20).
+CASES = [
+    dict(window_size=0, topk=3), dict(window_size=5, topk=2), dict(window_size=21, topk=4),
+    dict(window_size=0, topk=50),  # topk beyond the candidates
+]
+
+
+@pytest.mark.parametrize("strategy", ["group", "head"])
+@pytest.mark.parametrize("combine", ["softmax", "token"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"w{c['window_size']}k{c['topk']}")
+def test_golden_matches_float64_definition(strategy, combine, case):
+    torch.manual_seed(len(strategy) * 100 + len(combine) * 10 + case["topk"] + case["window_size"])
+    inputs = random_case([37, 5, 64, 20, 81], num_heads=6, num_kv_heads=2, head_dim=16, page_size=8,
+                         dtype=torch.float64, invalid_frac=0.2)
+    o, ids, scores = hsa_decode(**inputs, page_size=8, selection_strategy=strategy, combine=combine, **case)
+    o_ref, ids_ref = reference(**inputs, page_size=8, strategy=strategy, combine=combine, **case)
+    assert torch.equal(ids, ids_ref)
+    assert torch.isneginf(scores[ids < 0]).all() and torch.isfinite(scores[ids >= 0]).all()
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+
+
+def test_golden_ties_go_to_smaller_logical_page():
+    inputs = random_case([80, 57], num_heads=4, num_kv_heads=1, head_dim=8, page_size=8, dtype=torch.float64)
+    inputs["chunk_repr"][:] = torch.randn(8, dtype=torch.float64)  # every page scores the same
+    ids, scores = select_pages(inputs["q"], inputs["page_table"], inputs["seq_lens"], inputs["chunk_repr"],
+                               page_size=8, topk=3)
+    assert torch.equal(ids[:, 0], inputs["page_table"][:, :3])
+    assert (scores == scores[:, :, :1]).all()
+
+
+def test_golden_scale_and_given_selection():
+    inputs = random_case([70, 33], num_heads=4, num_kv_heads=2, head_dim=16, page_size=8, dtype=torch.float64)
+    chosen = torch.tensor([[[3, -1, 0], [5, 6, -1]], [[-1, -1, -1], [1, 2, 4]]], dtype=torch.int32)
+    chosen = inputs["page_table"].gather(1, chosen.clamp(min=0).view(2, -1)).view(2, 2, 3).where(chosen >= 0, -1)
+    for combine in ("softmax", "token"):
+        o, ids, scores = hsa_decode(**inputs, page_size=8, topk=3, window_size=9, combine=combine,
+                                    selected_page_ids=chosen, scale=0.3)
+        assert scores is None and ids is chosen
+        # The float64 definition with the same pages: rebuild it through a one-page-per-slot table.
+        o_ref = _reference_given(inputs, chosen, combine, window_size=9, scale=0.3)
+        torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+
+
+def _reference_given(inputs, chosen, combine, window_size, scale):
+    """Definition with given pages: each given page k contributes as in ``reference`` (softmax over its
+    tokens, logit z_k), so compare against the golden's per-chunk rule computed by hand."""
+    q, kb, vb, pt, sl, E = (inputs[k] for k in ("q", "k_buffer", "v_buffer", "page_table", "seq_lens", "chunk_repr"))
+    B, Hq, D = q.shape
+    Hkv = E.shape[1]
+    G = Hq // Hkv
+    o = torch.zeros(B, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        L = int(sl[b])
+        lo = min(max(0, L - window_size), (L // 8) * 8)
+        local = [int(pt[b, t // 8]) * 8 + t % 8 for t in range(lo, L)]
+        for h in range(Hkv):
+            pages = [int(p) for p in chosen[b, h] if p >= 0]
+            for g in range(G):
+                qv = q[b, h * G + g]
+                if combine == "token":
+                    slots = [p * 8 + i for p in pages for i in range(8)] + local
+                    o[b, h * G + g] = _softmax_attend(qv, [kb[s, h] for s in slots], [vb[s, h] for s in slots],
+                                                      scale)[0]
+                    continue
+                outs, logits = [], []
+                for p in pages:
+                    slots = [p * 8 + i for i in range(8)]
+                    outs.append(_softmax_attend(qv, [kb[s, h] for s in slots], [vb[s, h] for s in slots], scale)[0])
+                    logits.append(scale * float(qv @ E[p, h]))
+                o_loc, lse_loc = _softmax_attend(qv, [kb[s, h] for s in local], [vb[s, h] for s in local], scale)
+                outs.append(o_loc)
+                logits.append(lse_loc)
+                m = max(logits)
+                w = [math.exp(x - m) for x in logits]
+                o[b, h * G + g] = sum(wi * oi for wi, oi in zip(w, outs)) / sum(w)
+    return o
+
+
+def test_golden_nothing_to_attend_gives_zero():
+    # seq_len a multiple of page_size, window 0, every repr stale: no candidate and no local token.
+    inputs = random_case([16], num_heads=2, num_kv_heads=1, head_dim=8, page_size=8, dtype=torch.float64)
+    inputs["repr_valid"][:] = False
+    o, ids, _ = hsa_decode(**inputs, page_size=8, topk=2)
+    assert (ids == -1).all() and (o == 0).all()
+
+
+@pytest.mark.parametrize("mode", ["mean", "last"])
+def test_golden_page_repr(mode):
+    kb = torch.randn(5 * 4, 3, 8, dtype=torch.float64)
+    pids = torch.tensor([4, 1])
+    rep = page_repr(kb, pids, 4, mode)
+    for i, p in enumerate(pids.tolist()):
+        keys = [kb[p * 4 + t] for t in range(4)]
+        want = sum(keys) / 4 if mode == "mean" else keys[-1]
+        torch.testing.assert_close(rep[i], want, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- validation
+# Each dtype, head dim, page size, G in {1, 4, 8, 16}, strategy and combine mode at least once.
+COMPILE_SPECS = [
+    dict(num_heads=4, num_kv_heads=4, head_dim=64, page_size=16, topk=8, dtype=torch.float16,
+         selection_strategy="group", window_size=0, combine="softmax"),
+    dict(num_heads=16, num_kv_heads=4, head_dim=128, page_size=32, topk=16, dtype=torch.bfloat16,
+         selection_strategy="head", window_size=100, combine="token"),
+    dict(num_heads=64, num_kv_heads=8, head_dim=128, page_size=64, topk=64, dtype=torch.float16,
+         selection_strategy="head", window_size=512, combine="softmax"),
+    dict(num_heads=32, num_kv_heads=2, head_dim=256, page_size=128, topk=32, dtype=torch.bfloat16,
+         selection_strategy="group", window_size=256, combine="token"),
+]
+
+
+GOOD = dict(num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, topk=4, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("change, err, match", [
+    (dict(num_heads=6, num_kv_heads=4), ValueError, "G = num_heads / num_kv_heads is an integer"),
+    (dict(num_heads=34, num_kv_heads=2), ValueError, "G"),
+    (dict(head_dim=96), ValueError, "head_dim"),
+    (dict(page_size=24), ValueError, "page_size"),
+    (dict(topk=0), ValueError, "topk"),
+    (dict(topk=2.0), TypeError, "topk"),
+    (dict(dtype=torch.float32), TypeError, "dtype"),
+    (dict(selection_strategy="softmax_head"), ValueError, "selection_strategy"),
+    (dict(combine="mean"), ValueError, "combine"),
+    (dict(window_size=-1), ValueError, "window_size"),
+    (dict(scale=0.0), ValueError, "scale"),
+    (dict(config={"items_per_split": 0}), ValueError, "items_per_split"),
+    (dict(config={"block": 4}), ValueError, "unknown keys"),
+])
+def test_constructor_rejects(change, err, match):
+    with pytest.raises(err, match=match):
+        HSADecodeTileLang(**{**GOOD, **change})
+
+
+def test_page_repr_constructor_rejects():
+    with pytest.raises(ValueError, match="mode"):
+        HSAPageReprTileLang(2, 64, 16, torch.float16, mode="first")
+    with pytest.raises(TypeError, match="dtype"):
+        HSAPageReprTileLang(2, 64, 16, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def small_op():
+    return HSADecodeTileLang(**COMPILE_SPECS[0])  # shares its kernels with test_compiles_for_sm90a
+
+
+def _good_call():
+    return random_case([40, 70], num_heads=4, num_kv_heads=4, head_dim=64, page_size=16, dtype=torch.float16)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("bad, err, match", [
+    (lambda t: t.float(), TypeError, "q: expected dtype"),
+    (lambda t: t[:, :2], ValueError, r"q: expected shape \[\*, 4, 64\]"),
+    (lambda t: t, ValueError, "q: expected a CUDA tensor"),
+])
+def test_call_rejects_before_launch(small_op, bad, err, match):
+    """On CPU only q's checks are reachable (the device check comes with each tensor's own checks);
+    test_hsa_decode_gpu.py covers every other argument."""
+    inputs = _good_call()
+    inputs["q"] = bad(inputs["q"])
+    with pytest.raises(err, match=match):
+        small_op(**inputs)
+    with pytest.raises(err, match=match):
+        small_op.select(inputs["q"], inputs["page_table"], inputs["seq_lens"], inputs["chunk_repr"])
+
+
+@pytest.mark.compile
+def test_value_checks(small_op):
+    """The host-sync checks, on CPU tensors through the op's own check list."""
+    from ops.hsa_decode import _check_values
+    inputs = _good_call()
+    pt, sl = inputs["page_table"], inputs["seq_lens"]
+    num_pages = inputs["chunk_repr"].shape[0]
+    _check_values(small_op._value_checks(pt, sl, num_pages))
+    for bad_sl, match in [([0, 70], "seq_len 0 is an error"), ([40, 81], "seq_lens: expected values in")]:
+        with pytest.raises(ValueError, match=match):
+            _check_values(small_op._value_checks(pt, torch.tensor(bad_sl, dtype=torch.int32), num_pages))
+    bad_pt = pt.clone()
+    bad_pt[1, 4] = num_pages
+    with pytest.raises(ValueError, match="page_table: expected the pages"):
+        _check_values(small_op._value_checks(bad_pt, sl, num_pages))
+    bad_pt[1, 4] = -1  # a -1 inside the request's pages is out of range too
+    with pytest.raises(ValueError, match="page_table: expected the pages"):
+        _check_values(small_op._value_checks(bad_pt, sl, num_pages))
+    bad_pt = pt.clone()
+    bad_pt[0, 4] = 10 ** 6  # past request 0's pages: never read, accepted
+    _check_values(small_op._value_checks(bad_pt, sl, num_pages))
+
+
+# ----------------------------------------------------------------------------- compile-only (sm_90a)
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", COMPILE_SPECS, ids=lambda s: f"D{s['head_dim']}p{s['page_size']}"
+                         f"G{s['num_heads'] // s['num_kv_heads']}")
+def test_compiles_for_sm90a(spec):
+    op = HSADecodeTileLang(**spec)
+    for k in (op.score_kernel, op.topk_kernel, op.decode_kernel, op.combine_kernel):
+        assert "__global__" in k.get_kernel_source()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("mode, dtype", [("mean", torch.bfloat16), ("last", torch.float16)])
+def test_page_repr_compiles(mode, dtype):
+    op = HSAPageReprTileLang(8, 128, 64, dtype, mode)
+    assert "__global__" in op.kernel.get_kernel_source()
