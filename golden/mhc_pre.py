@@ -11,7 +11,19 @@ Per token, with vecX = x flattened to n*D:
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def random_inputs(B: int, S: int, n: int, D: int, device="cpu", dtype=torch.bfloat16):
+    """Random (x, phi, alpha, bias) at the scales of a trained layer (h_mix of order 1)."""
+    N = n * n + 2 * n
+    x = torch.randn(B, S, n, D, device=device).to(dtype)
+    phi = torch.randn(N, n * D, device=device) / math.sqrt(n * D)
+    alpha = torch.rand(3, device=device) + 0.5
+    bias = torch.randn(N, device=device) * 0.1
+    return x, phi, alpha, bias
 
 
 def mhc_forward_pre(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor,

@@ -4,7 +4,7 @@ with NaN), given selections, ties, page reprs, every validation error, and CUDA-
 import pytest
 import torch
 
-from golden.hsa_decode import hsa_decode, page_repr, random_case, select_pages
+from golden.hsa_decode import hsa_decode, page_repr, random_case
 from ops.hsa_decode import HSADecodeTileLang, HSAPageReprTileLang
 
 pytestmark = pytest.mark.gpu

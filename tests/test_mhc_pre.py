@@ -7,19 +7,13 @@ import textwrap
 import pytest
 import torch
 
-from golden.mhc_pre import mhc_forward_pre
+from golden.mhc_pre import mhc_forward_pre, random_inputs
 from ops import MHCForwardPreTileLang
 from ops import _runtime
 
 
 def make_inputs(tokens_shape, n, D, device="cpu"):
-    B, S = tokens_shape
-    N = n * n + 2 * n
-    x = torch.randn(B, S, n, D, device=device).to(torch.bfloat16)
-    phi = torch.randn(N, n * D, device=device) / math.sqrt(n * D)
-    alpha = torch.rand(3, device=device) + 0.5
-    bias = torch.randn(N, device=device) * 0.1
-    return x, phi, alpha, bias
+    return random_inputs(*tokens_shape, n, D, device)
 
 
 def loop_reference(x, phi, alpha, bias, rms_eps=1e-6, hc_eps=1e-6):

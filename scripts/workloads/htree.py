@@ -5,7 +5,6 @@ The seed's Triton (github skywong14/htree, src/parallel.py) is timed beside ours
 applied to q and k first, counted in its time) is the dense baseline.
 """
 
-import importlib.util
 import logging
 import pathlib
 
@@ -14,16 +13,15 @@ import torch.nn.functional as F
 
 from golden.htree import apply_rope, htree_forward, num_layers, rope_tables
 from ops.htree import HTreeForwardTileLang
+from scripts.workloads import peer_module
 
 _SEED = pathlib.Path(__file__).resolve().parents[2] / ".htree_ref" / "htree_parallel.py"
 
 
 def _seed_forward():
-    if not _SEED.is_file():
+    mod = peer_module(_SEED)
+    if mod is None:
         return None
-    spec = importlib.util.spec_from_file_location("htree_seed_parallel", _SEED)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     mod.logger.setLevel(logging.WARNING)
     return mod.htree_forward
 
@@ -115,35 +113,3 @@ def bench(b):
             if tag == "b" and T == 1048576:
                 b.target("htree", wl, "faster than dense causal SDPA", ours < dense)
             del q, k, v
-
-
-class _MiniBench:
-    """Stand-in for scripts/bench.py's Bench when this file runs alone: few repeats (cases take seconds)."""
-
-    def __init__(self, quick, reps=3):
-        self.quick, self.reps = quick, reps
-
-    def time(self, fn):
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(self.reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
-
-    def row(self, op, workload, impl, ms, bytes=None, flops=None, ours=False):
-        extra = f"  {flops / ms / 1e9:8.1f} TFLOP/s" if flops else ""
-        print(f"{workload:55s} {impl:20s} {ms:10.2f} ms{extra}", flush=True)
-
-    def target(self, op, workload, text, met):
-        print(f"TARGET {workload}: {text}: {'met' if met else 'NOT met'}", flush=True)
-
-
-if __name__ == "__main__":
-    import sys
-    bench(_MiniBench(quick="--quick" in sys.argv))

@@ -1,25 +1,15 @@
 """mHC pre forward: demo cases and bench workloads (issue targets: >= 85% of copy bandwidth,
 >= 2x TileLang's DeepSeek example, >= 5x torch.compile of the golden)."""
 
-import importlib.util
-import math
 import pathlib
 
 import torch
 
-from golden.mhc_pre import mhc_forward_pre
+from golden.mhc_pre import mhc_forward_pre, random_inputs
 from ops import MHCForwardPreTileLang
+from scripts.workloads import peer_module
 
 _PEER = pathlib.Path(__file__).resolve().parents[2] / ".peers" / "deepseek_mhc_pre.py"
-
-
-def make_inputs(B, S, n, D, device):
-    N = n * n + 2 * n
-    x = torch.randn(B, S, n, D, device=device).to(torch.bfloat16)
-    phi = torch.randn(N, n * D, device=device) / math.sqrt(n * D)
-    alpha = torch.rand(3, device=device) + 0.5
-    bias = torch.randn(N, device=device) * 0.1
-    return x, phi, alpha, bias
 
 
 def _compare(ref, got):
@@ -31,7 +21,7 @@ def _compare(ref, got):
 def demo_cases(device):
     B, S, n, D = 2, 2048, 4, 4096
     op = MHCForwardPreTileLang(B, S, n, D)
-    inputs = make_inputs(B, S, n, D, device)
+    inputs = random_inputs(B, S, n, D, device)
     return [dict(name="MHCForwardPreTileLang", shape=f"B={B} S={S} n={n} D={D}",
                  golden=lambda: mhc_forward_pre(*inputs),
                  compiled=(lambda: op(*inputs)) if device == "cuda" else None,
@@ -40,12 +30,8 @@ def demo_cases(device):
 
 def _deepseek_example():
     """TileLang's own DeepSeek mHC pre example, if a copy was placed in .peers/ (it is not ours to ship)."""
-    if not _PEER.is_file():
-        return None
-    spec = importlib.util.spec_from_file_location("deepseek_mhc_pre", _PEER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.mhc_pre
+    mod = peer_module(_PEER)
+    return None if mod is None else mod.mhc_pre
 
 
 def bench(b):
@@ -56,7 +42,7 @@ def bench(b):
     for n, D in shapes:
         wl = f"tokens={tokens} n={n} D={D}"
         op = MHCForwardPreTileLang(1, tokens, n, D)
-        x, phi, alpha, bias = make_inputs(1, tokens, n, D, "cuda")
+        x, phi, alpha, bias = random_inputs(1, tokens, n, D, "cuda")
         nbytes = x.numel() * 2 + tokens * D * 2 + tokens * (n + n * n) * 4
         flops = 2 * tokens * n * D * (n * n + 2 * n)
         ours = b.row("mhc_pre", wl, "tilelang (ours)", b.time(lambda: op(x, phi, alpha, bias)), nbytes, flops, ours=True)
@@ -76,4 +62,4 @@ def bench(b):
 
 def autotune_cases(tokens=16384, n=4, D=4096):
     op = MHCForwardPreTileLang(1, tokens, n, D)
-    return [(op, make_inputs(1, tokens, n, D, "cuda"))]
+    return [(op, random_inputs(1, tokens, n, D, "cuda"))]

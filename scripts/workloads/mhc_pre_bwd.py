@@ -5,12 +5,10 @@ built once outside the timing) and the same under torch.compile. Bytes counted: 
 small per-token tensors read once, grad_x written once (the issue's definition).
 """
 
-import math
-
 import torch
 import torch._functorch.config
 
-from golden.mhc_pre import mhc_forward_pre
+from golden.mhc_pre import mhc_forward_pre, random_inputs
 from golden.mhc_pre_bwd import mhc_backward_pre_autograd
 from ops.mhc_pre_bwd import MHCBackwardPreTileLang
 
@@ -18,11 +16,7 @@ OP = "mhc_pre_bwd"
 
 
 def _inputs(B, S, n, D, device):
-    M = n * n + 2 * n
-    x = torch.randn(B, S, n, D, device=device).to(torch.bfloat16)
-    phi = torch.randn(M, n * D, device=device) / math.sqrt(n * D)
-    alpha = torch.rand(3, device=device) + 0.5
-    bias = torch.randn(M, device=device) * 0.1
+    x, phi, alpha, bias = random_inputs(B, S, n, D, device)
     grads = (torch.randn(B, S, D, device=device).to(torch.bfloat16), torch.randn(B, S, n, device=device),
              torch.randn(B, S, n, n, device=device))
     _, _, _, inv_rms, h_pre = mhc_forward_pre(x, phi, alpha, bias, return_aux=True)
@@ -85,61 +79,3 @@ def bench(b):
         b.target(OP, wl, ">= 70% of the measured copy bandwidth", frac >= 0.7)
         b.target(OP, wl, ">= 5x faster than the golden's autograd", golden >= 5 * ours)
         del saved, grads, x
-
-
-class _MiniBench:
-    """Stand-in for scripts/bench.py's Bench when this file runs alone (python -m scripts.workloads.mhc_pre_bwd)."""
-
-    def __init__(self, quick=False, reps=20):
-        self.quick, self.reps = quick, reps
-        src = torch.randn(1 << 28, device="cuda")  # 1 GiB, far beyond L2
-        dst = torch.empty_like(src)
-        self.copy_gbs = 2 * src.numel() * 4 / (self.time(lambda: dst.copy_(src)) * 1e-3) / 1e9
-        print(f"copy bandwidth {self.copy_gbs:.0f} GB/s")
-
-    def time(self, fn):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(self.reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
-
-    def row(self, op, workload, impl, ms, bytes=None, flops=None, ours=False):
-        rate = bytes / (ms * 1e-3) / 1e9 if bytes else None
-        gbs = f"{rate:7.0f} GB/s ({rate / self.copy_gbs:4.0%})" if rate else ""
-        print(f"{op} | {workload} | {impl:32s} | {ms * 1e3:9.1f} us | {gbs}")
-
-    def target(self, op, workload, text, met):
-        print(f"{op} | {workload} | target {text}: {'MET' if met else 'NOT MET'}")
-
-
-def _breakdown(b, n=4, D=4096, tokens=16384, configs=(None,)):
-    """Time of each launch of the op (phi split, stats kernel, grad kernel) under a few configs,
-    for docs/perf_mhc_pre_bwd.md."""
-    saved, grads = _inputs(1, tokens, n, D, "cuda")
-    x_bytes = saved[0].numel() * 2
-    for config in configs:
-        op = MHCBackwardPreTileLang(1, tokens, n, D, config=config)
-        stats, grad = op._kernels(True, True, True)
-        stats_args, grad_args = op._launch_args(*saved, *grads)
-        wl = f"tokens={tokens} n={n} D={D} bf16 config={config or 'default'}"
-        b.row(OP, wl, "whole op", b.time(lambda: op(*saved, *grads)), bytes=x_bytes * 5 // 2)
-        for name, fn, moved in (("phi split", lambda: op._split(saved[1], grad_args[1], grad_args[2]), None),
-                                ("stats kernel", lambda: stats(*stats_args), x_bytes * 5 // 4),
-                                ("grad kernel", lambda: grad(*grad_args), x_bytes * 9 // 4)):
-            b.row(OP, wl, name, b.time(fn), bytes=moved)
-
-
-if __name__ == "__main__":
-    import sys
-
-    mini = _MiniBench(quick="--quick" in sys.argv)
-    _breakdown(mini)
-    bench(mini)
