@@ -14,7 +14,7 @@ keys (they are distinct, so exactly top_k keys reach it) and an order-preserving
 winners into the next layer's parents (candidate buffers are in ascending node order, so the parents
 stay sorted); (3) the non-winners merged into the per-head online softmax with V, against one reference
 per layer (lse bounds every score, so no per-chunk maximum). Layer 0 merges all with a running maximum.
-The walk is latency-bound (dependent gathers and barriers per chunk); see docs/perf_htree.md.
+The walk is latency-bound (dependent gathers and barriers per chunk); see docs/perf.md.
 
 fp32 inputs use split-TF32 products (hi*hi + hi*lo + lo*hi), close to fp32 accuracy so selections match
 an fp32 reference; fp16/bf16 inputs use one 16-bit product with fp32 accumulation.
