@@ -165,7 +165,7 @@ class MHCForwardPreTileLang:
         for name, eps in (("rms_eps", rms_eps), ("hc_eps", hc_eps)):
             if not isinstance(eps, (int, float)) or eps < 0:
                 raise ValueError(f"{name}: expected a float >= 0, got {eps!r}")
-        self.B, self.S, self.n, self.D = B, S, n, D
+        self.n, self.D = n, D
         self.spec = {"n": n, "D": D, "rms_eps": float(rms_eps), "hc_eps": float(hc_eps)}
         self.config = resolve_config(self.op_name, self.spec, config, self.DEFAULT_CONFIG)
         check_int("config['block_t']", self.config["block_t"], lo=64, hi=128, multiple_of=64)

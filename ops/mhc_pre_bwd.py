@@ -259,7 +259,7 @@ class MHCBackwardPreTileLang:
             raise ValueError(f"n: expected one of 1, 2, 3, 4, 6, 8 (no tiling of the backward fits shared "
                              f"memory for n=5 or 7), got {n}")
         check_int("D", D, lo=8, hi=16384, multiple_of=8)
-        self.B, self.S, self.n, self.D = B, S, n, D
+        self.n, self.D = n, D
         self.spec = {"n": n, "D": D}
         self.config = resolve_config(self.op_name, self.spec, config, _default_config(n))
         cfg = self.config

@@ -12,10 +12,6 @@ from ops import MHCForwardPreTileLang
 from ops import _runtime
 
 
-def make_inputs(tokens_shape, n, D, device="cpu"):
-    return random_inputs(*tokens_shape, n, D, device)
-
-
 def loop_reference(x, phi, alpha, bias, rms_eps=1e-6, hc_eps=1e-6):
     """The issue's formula, one token and one output at a time, in float64."""
     B, S, n, D = x.shape
@@ -46,7 +42,7 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("n,D,shape", [(1, 8, (1, 3)), (2, 24, (2, 2)), (4, 16, (1, 2))])
 def test_golden_matches_float64_loop(n, D, shape):
-    x, phi, alpha, bias = make_inputs(shape, n, D)
+    x, phi, alpha, bias = random_inputs(*shape, n, D)
     ref = loop_reference(x, phi, alpha, bias)
     got = mhc_forward_pre(x, phi.double(), alpha.double(), bias.double())
     # h_in is rounded to bf16 by definition; the fp32 outputs are compared in float64 here.
@@ -56,7 +52,7 @@ def test_golden_matches_float64_loop(n, D, shape):
 
 
 def test_golden_aux_outputs():
-    x, phi, alpha, bias = make_inputs((2, 3), 2, 16)
+    x, phi, alpha, bias = random_inputs(2, 3, 2, 16)
     h_in, h_post, h_res, inv_rms, h_pre = mhc_forward_pre(x, phi, alpha, bias, return_aux=True)
     xf = x.double().reshape(2, 3, -1)
     assert torch.allclose(inv_rms.double(), xf.square().mean(-1).add(1e-6).rsqrt(), rtol=1e-5)
@@ -88,7 +84,7 @@ def small_op():
 
 @pytest.mark.compile
 def test_call_validation(small_op):
-    x, phi, alpha, bias = make_inputs((1, 4), 2, 64)
+    x, phi, alpha, bias = random_inputs(1, 4, 2, 64)
     with pytest.raises(ValueError, match="x: expected a CUDA tensor"):
         small_op(x, phi, alpha, bias)
     with pytest.raises(TypeError, match=r"x: expected dtype torch.bfloat16, got torch.float32"):
@@ -157,7 +153,7 @@ def test_disk_cache_hit_in_fresh_process(tmp_path):
 def test_compiled_matches_golden(n, shape, poisoned):
     D = {1: 1032, 2: 520, 4: 4096, 8: 1024}[n]
     op = MHCForwardPreTileLang(*shape, n, D)
-    x, phi, alpha, bias = make_inputs(shape, n, D, device="cuda")
+    x, phi, alpha, bias = random_inputs(*shape, n, D, device="cuda")
     ref = mhc_forward_pre(x.double(), phi.double(), alpha.double(), bias.double(), return_aux=True)
     for _ in range(2):  # the second run reuses workspace and counters
         with poisoned():
@@ -172,7 +168,7 @@ def test_compiled_matches_golden(n, shape, poisoned):
 def test_tokens_dynamic_and_deterministic():
     op = MHCForwardPreTileLang(1, 1, 4, 4096)
     for shape in ((1, 7), (3, 1000)):
-        x, phi, alpha, bias = make_inputs(shape, 4, 4096, device="cuda")
+        x, phi, alpha, bias = random_inputs(*shape, 4, 4096, device="cuda")
         a = op(x, phi, alpha, bias)
         b = op(x, phi, alpha, bias)
         assert all(torch.equal(u, v) for u, v in zip(a, b)), "forward must be bitwise reproducible"

@@ -1,10 +1,9 @@
 import contextlib
-import math
 
 import pytest
 import torch
 
-from golden.mhc_pre import mhc_forward_pre
+from golden.mhc_pre import mhc_forward_pre, random_inputs
 from golden.mhc_pre_bwd import mhc_backward_pre, mhc_backward_pre_autograd
 from ops import _runtime  # noqa: F401  (kernel cache dir before TileLang)
 from ops.mhc_pre_bwd import MHCBackwardPreTileLang, mhc_pre
@@ -15,14 +14,10 @@ PARTIAL = [(True, False, False), (False, True, True), (True, False, True)]
 
 
 def make_inputs(B, S, n, D, device="cpu", dtype=torch.bfloat16, present=ALL):
-    M = n * n + 2 * n
-    x = torch.randn(B, S, n, D, device=device).to(dtype)
-    phi = torch.randn(M, n * D, device=device) / math.sqrt(n * D)
-    alpha = torch.rand(3, device=device) + 0.5
-    bias = torch.randn(M, device=device) * 0.1
+    inputs = random_inputs(B, S, n, D, device, dtype)
     grads = (torch.randn(B, S, D, device=device).to(dtype), torch.randn(B, S, n, device=device),
              torch.randn(B, S, n, n, device=device))
-    return (x, phi, alpha, bias), tuple(g if p else None for g, p in zip(grads, present))
+    return inputs, tuple(g if p else None for g, p in zip(grads, present))
 
 
 def rel_err(a, b):
