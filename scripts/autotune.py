@@ -8,7 +8,6 @@ Needs a GPU (configs are timed).
 """
 
 import argparse
-import functools
 import pathlib
 import sys
 
@@ -25,14 +24,16 @@ def autotune(op, call_inputs, warmup=10, rep=50):
     and store the fastest for ``op``'s specialization. Returns (config, latency_ms)."""
     from tilelang.autotuner import AutoTuner, set_autotune_inputs
 
-    configs = op.config_space(**op.spec)
-    # A module-level builder with the specialization bound: the tuner pickles it for its cache.
-    tuner = AutoTuner.from_kernel(functools.partial(op.tunable_kernel, **op.spec), configs)
+    # The tuner calls a plain module-level builder with each config as keyword arguments (it inspects
+    # the function's closure, so no functools.partial): the specialization rides along in every config.
+    configs = [dict(op.spec, **c) for c in op.config_space(**op.spec)]
+    tuner = AutoTuner.from_kernel(op.tunable_kernel, configs)
     tuner.set_compile_args(target=_runtime.target())
     with set_autotune_inputs(list(op.tune_args(*call_inputs))):
         result = tuner.run(warmup=warmup, rep=rep)
-    _runtime.save_tuned(op.op_name, op.spec, result.config, result.latency)
-    return result.config, result.latency
+    config = {k: v for k, v in result.config.items() if k not in op.spec}
+    _runtime.save_tuned(op.op_name, op.spec, config, result.latency)
+    return config, result.latency
 
 
 def main():

@@ -55,3 +55,21 @@ def test_tuned_config_store(tmp_path, monkeypatch):
 def test_validation_messages(call, err, match):
     with pytest.raises(err, match=match):
         call()
+
+
+@pytest.mark.gpu
+def test_autotune_stores_winner_for_the_op(tmp_path, monkeypatch):
+    """scripts/autotune.py times an op's configs with tilelang's AutoTuner and stores the winner, which a
+    new op of the same specialization then uses."""
+    from golden.mhc_pre import random_inputs
+    from ops import MHCForwardPreTileLang
+    from scripts.autotune import autotune
+
+    monkeypatch.setattr(_runtime, "TUNED_FILE", tmp_path / "tuned.json")
+    space = [dict(block_t=64, block_k=64, num_stages=2, threads=128),
+             dict(block_t=128, block_k=128, num_stages=2, threads=128)]
+    monkeypatch.setattr(MHCForwardPreTileLang, "config_space", staticmethod(lambda **_: space))
+    op = MHCForwardPreTileLang(1, 300, 2, 520)
+    config, ms = autotune(op, random_inputs(1, 300, 2, 520, "cuda"), warmup=2, rep=5)
+    assert config in space and ms > 0
+    assert MHCForwardPreTileLang(1, 300, 2, 520).config == config
