@@ -71,39 +71,31 @@ def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, bloc
     band = min(head_size, 1024 // _BITS[dtype])  # 128 bytes: the widest TMA box of a swizzled tile
     bands = list(range(0, head_size, band))
 
-    # Plain functions (expressions, no let-bindings): the warp-specialization pass moves the
-    # copies into a producer branch and keeps only the leading bindings of the loop body.
-    def page_block(tables, seq, kv_len, kt, p):
-        return tables[seq, T.min(kt * block_N + p * rows_per_copy, kv_len - 1) // block_size]
-
     def page_rows(kt, p):
         off = (kt * block_N + p * rows_per_copy) % block_size
         return slice(off, off + rows_per_copy)
 
     @T.macro
-    def load_kv(cache, dst, tables, seq, kv_head, kv_len, kt):
-        if paged:
-            # One bulk copy per (page or block_N slice of a page, 128-byte column band): a band
-            # is one contiguous run of the swizzled shared tile, as the TMA lowering requires.
-            # Pages past the sequence's last one repeat it (the table entries there may be
-            # invalid); those rows are masked.
-            for p in pages:
-                for c in bands:
-                    dst_rows = slice(p * rows_per_copy, (p + 1) * rows_per_copy)
-                    if kv_layout == "HND":
-                        T.copy(cache[page_block(tables, seq, kv_len, kt, p), kv_head, page_rows(kt, p), c:c + band],
-                               dst[dst_rows, c:c + band])
-                    else:
-                        T.copy(cache[page_block(tables, seq, kv_len, kt, p), page_rows(kt, p), kv_head, c:c + band],
-                               dst[dst_rows, c:c + band])
-        else:
-            for j, d in T.Parallel(block_N, head_size):
-                pos = T.min(kt * block_N + j, kv_len - 1)  # clamped: never reads past the sequence
-                block = tables[seq, pos // block_size]
+    def load_pages(cache, dst, blocks, kv_head, kt):
+        # One bulk copy per (page or block_N slice of a page, 128-byte column band): a band is one
+        # contiguous run of the swizzled shared tile, as the TMA lowering requires.
+        for p in pages:
+            for c in bands:
+                dst_rows = slice(p * rows_per_copy, (p + 1) * rows_per_copy)
                 if kv_layout == "HND":
-                    dst[j, d] = cache[block, kv_head, pos % block_size, d]
+                    T.copy(cache[blocks[p], kv_head, page_rows(kt, p), c:c + band], dst[dst_rows, c:c + band])
                 else:
-                    dst[j, d] = cache[block, pos % block_size, kv_head, d]
+                    T.copy(cache[blocks[p], page_rows(kt, p), kv_head, c:c + band], dst[dst_rows, c:c + band])
+
+    @T.macro
+    def gather_rows(cache, dst, tables, seq, kv_head, kv_len, kt):
+        for j, d in T.Parallel(block_N, head_size):
+            pos = T.min(kt * block_N + j, kv_len - 1)  # clamped: never reads past the sequence
+            block = tables[seq, pos // block_size]
+            if kv_layout == "HND":
+                dst[j, d] = cache[block, kv_head, pos % block_size, d]
+            else:
+                dst[j, d] = cache[block, pos % block_size, kv_head, d]
 
     @T.prim_func
     def paged_prefill(
@@ -160,8 +152,19 @@ def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, bloc
 
             for kt in T.Pipelined(T.if_then_else(busy, T.ceildiv(pos0 + rows, block_N), 0), num_stages=num_stages):
                 # One KV tile: scores, online-softmax update, accumulate P @ V.
-                load_kv(KCache, k_s, BlockTables, seq, kv_head, kv_len, kt)
-                load_kv(VCache, v_s, BlockTables, seq, kv_head, kv_len, kt)
+                if paged:
+                    # The page ids are the loop body's leading bindings: the warp-specialization
+                    # pass keeps those in the producer branch (read once for K and V, ahead of
+                    # the copies). Pages past the sequence's last one repeat it (table entries
+                    # there may be invalid); those rows are masked.
+                    blocks = []
+                    for p in pages:
+                        blk = BlockTables[seq, T.min(kt * block_N + p * rows_per_copy, kv_len - 1) // block_size]
+                        blocks.append(blk)
+                    load_pages(KCache, k_s, blocks, kv_head, kt)
+                    load_pages(VCache, v_s, blocks, kv_head, kt)
+                else:
+                    gather_rows(KCache, k_s, BlockTables, seq, kv_head, kv_len, kt)
                 T.clear(acc_s)
                 T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(block_M, block_N):
@@ -186,11 +189,14 @@ def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, bloc
                 T.copy(acc_s, acc_p)
                 for i, d in T.Parallel(block_M, head_size):
                     acc_o[i, d] *= rescale[i]
-                if paged and (kt + 1) * block_N > kv_len:
-                    # Page slots past the sequence end may hold anything (NaN): P is 0 there,
-                    # but 0 * NaN is not, so those V rows are zeroed.
-                    for j, d in T.Parallel(block_N, head_size):
-                        v_s[j, d] = T.if_then_else(kt * block_N + j < kv_len, v_s[j, d], T.cast(0, dtype))
+                if paged:
+                    if (kt + 1) * block_N > kv_len:
+                        # Page slots past the sequence end may hold anything (NaN): P is 0 there,
+                        # but 0 * NaN is not, so those V rows are zeroed.
+                        for j, d in T.Parallel(block_N, head_size):
+                            v_s[j, d] = T.if_then_else(kt * block_N + j < kv_len, v_s[j, d], T.cast(0, dtype))
+                else:
+                    gather_rows(VCache, v_s, BlockTables, seq, kv_head, kv_len, kt)
                 T.gemm(acc_p, v_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
             for i, d in T.Parallel(block_M, head_size):
