@@ -13,10 +13,15 @@ sorted by decreasing KV length so the longest tiles start first (load balance ov
 batches). The grid is an upper bound on the tile count, `(total_q + num_seqs * (tokens - 1)) //
 tokens`; spare CTAs exit at once.
 
-KV rows are gathered row by row through the block table with cp.async (any block_size from 1 to
-256), and the position is clamped to the sequence's last token, so table entries past the last
-needed block and cache slots past the sequence end are never read. The causal mask (and ALiBi
-bias) is applied to the scores; KV tiles past the diagonal of the query tile are never visited.
+K/V tiles are loaded by whole pages when block_size >= 16: one TMA copy per page (or per
+`block_N` slice of a larger page) and 128-byte column band, addressed through the block table.
+The KV loop has no data-dependent branch around it (an idle tile runs zero steps), so TileLang
+warp-specializes it: a producer warpgroup issues the TMA copies into a 2-stage mbarrier ring
+while the consumer warpgroups compute. Pages past the sequence's last one repeat it (the table
+entries there may be invalid), and V rows past the sequence end are zeroed in shared memory
+(P is 0 there, but the slots may hold NaN). Smaller pages are gathered row by row with cp.async,
+the position clamped to the sequence's last token. The causal mask (and ALiBi bias) is applied
+to the scores; KV tiles past the diagonal of the query tile are never visited.
 """
 
 
@@ -30,6 +35,7 @@ import tilelang.language as T  # noqa: E402  (after _runtime set the cache dir)
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _HEAD_SIZES = (64, 128, 256)
+_BITS = {"float16": 16, "bfloat16": 16, "float32": 32}
 _LOG2E = 1.4426950408889634
 
 
@@ -59,11 +65,32 @@ def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, bloc
     q_shape = (total_q, num_heads, head_size)
     accum = "float32"
     scale_log2 = scale * _LOG2E  # scores live in the log2 domain: exp2 is one instruction
+    paged = block_size >= 16  # whole-page (TMA) loads; smaller pages are gathered row by row
+    pages = list(range(max(1, block_N // block_size)))  # page copies per KV tile (Python-unrolled)
+    rows_per_copy = min(block_size, block_N)
+    band = min(head_size, 1024 // _BITS[dtype])  # 128 bytes: the widest TMA box of a swizzled tile
+    bands = list(range(0, head_size, band))
+
+    def page_rows(kt, p):
+        off = (kt * block_N + p * rows_per_copy) % block_size
+        return slice(off, off + rows_per_copy)
 
     @T.macro
-    def gather(cache, dst, tables, seq, kv_head, kv_len, first):
+    def load_pages(cache, dst, blocks, kv_head, kt):
+        # One bulk copy per (page or block_N slice of a page, 128-byte column band): a band is one
+        # contiguous run of the swizzled shared tile, as the TMA lowering requires.
+        for p in pages:
+            for c in bands:
+                dst_rows = slice(p * rows_per_copy, (p + 1) * rows_per_copy)
+                if kv_layout == "HND":
+                    T.copy(cache[blocks[p], kv_head, page_rows(kt, p), c:c + band], dst[dst_rows, c:c + band])
+                else:
+                    T.copy(cache[blocks[p], page_rows(kt, p), kv_head, c:c + band], dst[dst_rows, c:c + band])
+
+    @T.macro
+    def gather_rows(cache, dst, tables, seq, kv_head, kv_len, kt):
         for j, d in T.Parallel(block_N, head_size):
-            pos = T.min(first + j, kv_len - 1)
+            pos = T.min(kt * block_N + j, kv_len - 1)  # clamped: never reads past the sequence
             block = tables[seq, pos // block_size]
             if kv_layout == "HND":
                 dst[j, d] = cache[block, kv_head, pos % block_size, d]
@@ -100,71 +127,94 @@ def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, bloc
             denom = T.alloc_fragment((block_M,), accum)
             slope = T.alloc_fragment((block_M,), accum)
 
-            seq = TileSeq[tile]
-            if seq >= 0:
-                head0 = head_group * pack
-                kv_head = head0 // groups
-                q0 = TileQ0[tile]
-                q_begin = CumSeqLensQ[seq]
-                q_len = CumSeqLensQ[seq + 1] - q_begin
-                kv_len = SeqLens[seq]
-                pos0 = kv_len - q_len + q0  # KV position of the tile's first query row
-                rows = T.min(tokens, q_len - q0)  # valid tokens in this tile
+            # No branch on idle tiles around the KV loop (it would keep the loads from being
+            # pipelined): an idle tile reads sequence 0's scalars, runs zero KV steps and
+            # writes nothing.
+            busy = TileSeq[tile] >= 0
+            seq = T.max(TileSeq[tile], 0)
+            head0 = head_group * pack
+            kv_head = head0 // groups
+            q0 = TileQ0[tile]
+            q_begin = CumSeqLensQ[seq]
+            q_len = CumSeqLensQ[seq + 1] - q_begin
+            kv_len = SeqLens[seq]
+            pos0 = kv_len - q_len + q0  # KV position of the tile's first query row
+            rows = T.if_then_else(busy, T.min(tokens, q_len - q0), 0)  # valid tokens in this tile
 
-                for i, d in T.Parallel(block_M, head_size):  # tokens past q_len repeat its last one
-                    q_s[i, d] = Q[q_begin + T.min(q0 + i // pack, q_len - 1), head0 + i % pack, d]
-                if use_alibi:
-                    for i in T.Parallel(block_M):
-                        slope[i] = AlibiSlopes[head0 + i % pack] * _LOG2E
-                T.fill(acc_o, 0)
-                T.fill(denom, 0)
-                T.fill(m_cur, -T.infinity(accum))
+            for i, d in T.Parallel(block_M, head_size):  # tokens past q_len repeat its last one
+                q_s[i, d] = Q[q_begin + T.max(T.min(q0 + i // pack, q_len - 1), 0), head0 + i % pack, d]
+            if use_alibi:
+                for i in T.Parallel(block_M):
+                    slope[i] = AlibiSlopes[head0 + i % pack] * _LOG2E
+            T.fill(acc_o, 0)
+            T.fill(denom, 0)
+            T.fill(m_cur, -T.infinity(accum))
 
-                for kt in T.Pipelined(T.ceildiv(pos0 + rows, block_N), num_stages=num_stages):
-                    # One KV tile: scores, online-softmax update, accumulate P @ V.
-                    gather(KCache, k_s, BlockTables, seq, kv_head, kv_len, kt * block_N)
-                    T.clear(acc_s)
-                    T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    for i, j in T.Parallel(block_M, block_N):
-                        rel = kt * block_N + j - (pos0 + i // pack)  # t - (history + token): visible if <= 0
-                        if use_alibi:
-                            acc_s[i, j] = T.if_then_else(rel <= 0, acc_s[i, j] * scale_log2 + slope[i] * rel,
-                                                         -T.infinity(accum))
-                        else:
-                            acc_s[i, j] = T.if_then_else(rel <= 0, acc_s[i, j] * scale_log2,
-                                                         -T.infinity(accum))
-                    # Online softmax: every valid row has a finite score in KV tile 0, so the
-                    # running max is finite from then on.
-                    T.copy(m_cur, m_prev)
-                    T.reduce_max(acc_s, m_cur, dim=1, clear=False)
-                    for i in T.Parallel(block_M):
-                        rescale[i] = T.exp2(m_prev[i] - m_cur[i])
-                    for i, j in T.Parallel(block_M, block_N):
-                        acc_s[i, j] = T.exp2(acc_s[i, j] - m_cur[i])
-                    T.reduce_sum(acc_s, row_sum, dim=1)
-                    for i in T.Parallel(block_M):
-                        denom[i] = denom[i] * rescale[i] + row_sum[i]
-                    T.copy(acc_s, acc_p)
-                    for i, d in T.Parallel(block_M, head_size):
-                        acc_o[i, d] *= rescale[i]
-                    gather(VCache, v_s, BlockTables, seq, kv_head, kv_len, kt * block_N)
-                    T.gemm(acc_p, v_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
-
+            for kt in T.Pipelined(T.if_then_else(busy, T.ceildiv(pos0 + rows, block_N), 0), num_stages=num_stages):
+                # One KV tile: scores, online-softmax update, accumulate P @ V.
+                if paged:
+                    # The page ids are the loop body's leading bindings: the warp-specialization
+                    # pass keeps those in the producer branch (read once for K and V, ahead of
+                    # the copies). Pages past the sequence's last one repeat it (table entries
+                    # there may be invalid); those rows are masked.
+                    blocks = []
+                    for p in pages:
+                        blk = BlockTables[seq, T.min(kt * block_N + p * rows_per_copy, kv_len - 1) // block_size]
+                        blocks.append(blk)
+                    load_pages(KCache, k_s, blocks, kv_head, kt)
+                    load_pages(VCache, v_s, blocks, kv_head, kt)
+                else:
+                    gather_rows(KCache, k_s, BlockTables, seq, kv_head, kv_len, kt)
+                T.clear(acc_s)
+                T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(block_M, block_N):
+                    rel = kt * block_N + j - (pos0 + i // pack)  # t - (history + token): visible if <= 0
+                    if use_alibi:
+                        acc_s[i, j] = T.if_then_else(rel <= 0, acc_s[i, j] * scale_log2 + slope[i] * rel,
+                                                     -T.infinity(accum))
+                    else:
+                        acc_s[i, j] = T.if_then_else(rel <= 0, acc_s[i, j] * scale_log2,
+                                                     -T.infinity(accum))
+                # Online softmax: every valid row has a finite score in KV tile 0, so the
+                # running max is finite from then on.
+                T.copy(m_cur, m_prev)
+                T.reduce_max(acc_s, m_cur, dim=1, clear=False)
+                for i in T.Parallel(block_M):
+                    rescale[i] = T.exp2(m_prev[i] - m_cur[i])
+                for i, j in T.Parallel(block_M, block_N):
+                    acc_s[i, j] = T.exp2(acc_s[i, j] - m_cur[i])
+                T.reduce_sum(acc_s, row_sum, dim=1)
+                for i in T.Parallel(block_M):
+                    denom[i] = denom[i] * rescale[i] + row_sum[i]
+                T.copy(acc_s, acc_p)
                 for i, d in T.Parallel(block_M, head_size):
-                    if i // pack < rows:
-                        Out[q_begin + q0 + i // pack, head0 + i % pack, d] = T.cast(acc_o[i, d] / denom[i],
-                                                                                    dtype)
+                    acc_o[i, d] *= rescale[i]
+                if paged:
+                    if (kt + 1) * block_N > kv_len:
+                        # Page slots past the sequence end may hold anything (NaN): P is 0 there,
+                        # but 0 * NaN is not, so those V rows are zeroed.
+                        for j, d in T.Parallel(block_N, head_size):
+                            v_s[j, d] = T.if_then_else(kt * block_N + j < kv_len, v_s[j, d], T.cast(0, dtype))
+                else:
+                    gather_rows(VCache, v_s, BlockTables, seq, kv_head, kv_len, kt)
+                T.gemm(acc_p, v_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+            for i, d in T.Parallel(block_M, head_size):
+                if i // pack < rows:
+                    Out[q_begin + q0 + i // pack, head0 + i % pack, d] = T.cast(acc_o[i, d] / denom[i], dtype)
 
     return paged_prefill
 
 
-def _default_config(head_size: int, dtype: str) -> dict:
-    """Tiles that fit shared memory (Q, plus K and V per pipeline stage) and registers."""
+def _default_config(head_size: int, dtype: str, block_size: int = 16) -> dict:
+    """Tiles that fit shared memory (Q, plus K and V per pipeline stage) and registers. Whole-page
+    (TMA) loads run two stages; the row gathers of pages < 16 rows do not lower with two."""
+    stages = 2 if block_size >= 16 else 1
     if dtype == "float32":
-        return {"block_M": 64, "block_N": 32 if head_size == 256 else 64, "num_stages": 1, "threads": 128}
+        return {"block_M": 64, "block_N": 32 if head_size == 256 else 64, "num_stages": stages, "threads": 128}
     if head_size == 256:
-        return {"block_M": 64, "block_N": 64, "num_stages": 1, "threads": 128}
-    return {"block_M": 128, "block_N": 128, "num_stages": 1, "threads": 256}
+        return {"block_M": 64, "block_N": 64, "num_stages": stages, "threads": 128}
+    return {"block_M": 128, "block_N": 128, "num_stages": stages, "threads": 256}
 
 
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
@@ -192,11 +242,12 @@ class PagedAttentionPrefillTileLang:
 
     @staticmethod
     def config_space(**spec) -> list[dict]:
-        # Two software-pipeline stages do not lower with the row-gather loads; 0 and 1 do.
+        # Two software-pipeline stages do not lower with the row-gather loads (block_size < 16).
+        stages = (1, 2) if spec.get("block_size", 16) >= 16 else (0, 1)
         big = spec.get("head_size", 128) == 256 or spec.get("dtype") == "float32"
         tiles = ([(64, 64, 128), (64, 32, 128)] if big else
                  [(128, 128, 256), (128, 64, 256), (64, 128, 128), (64, 64, 128)])
-        return [{"block_M": m, "block_N": n, "num_stages": s, "threads": t} for m, n, t in tiles for s in (0, 1)]
+        return [{"block_M": m, "block_N": n, "num_stages": s, "threads": t} for m, n, t in tiles for s in stages]
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
                  dtype: torch.dtype, use_alibi: bool = False, scale: float | None = None,
@@ -222,7 +273,8 @@ class PagedAttentionPrefillTileLang:
         self.spec = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size,
                      "block_size": block_size, "dtype": _DTYPES[dtype], "use_alibi": use_alibi,
                      "kv_layout": kv_layout, "scale": float(scale)}
-        self.config = resolve_config(self.op_name, self.spec, config, _default_config(head_size, _DTYPES[dtype]))
+        self.config = resolve_config(self.op_name, self.spec, config,
+                                     _default_config(head_size, _DTYPES[dtype], block_size))
         self._no_alibi = {}
         # Fast math: exp2 and the final division as single approximate instructions (well inside
         # the error of the bf16/fp16 probabilities fed to the second product).
