@@ -15,7 +15,7 @@ left it latency-bound (docs/perf.md).
 
 import torch
 
-from ._runtime import check_int, check_tensor, compile_kernel, resolve_config
+from ._runtime import check_choice, check_int, check_tensor, compile_kernel, resolve_config
 
 import tilelang.language as T  # noqa: E402  (after _runtime set the cache dir)
 
@@ -26,10 +26,16 @@ def _round_up(v: int, m: int) -> int:
     return (v + m - 1) // m * m
 
 
+def phi_split_rows(n: int) -> int:
+    """Rows NG of phi's split copy: n*n+2n padded to a multiple of 16, the widest tensor-core N that
+    TileLang issues as one wgmma (24 rows ran as three n8 instructions: 1.5x slower mix kernel)."""
+    return _round_up(n * n + 2 * n, 16)
+
+
 def mhc_phi_split_kernel(n: int, D: int, block_d: int = _D_PAD, threads: int = 128):
-    """phi fp32 [N, n*D] -> bf16 hi and lo parts [NG, n, Dp], Dp = D rounded up to _D_PAD: rows
-    N..NG-1 and columns D..Dp-1 are zero (NG, a multiple of 8, is the tensor-core product's N)."""
-    N, NG = n * n + 2 * n, _round_up(n * n + 2 * n, 8)
+    """phi fp32 [N, n*D] -> bf16 hi and lo parts [NG, n, Dp], NG = phi_split_rows(n) and Dp = D rounded
+    up to _D_PAD: rows N..NG-1 and columns D..Dp-1 are zero."""
+    N, NG = n * n + 2 * n, phi_split_rows(n)
     Dp = _round_up(D, _D_PAD)
 
     @T.prim_func
@@ -48,8 +54,8 @@ def mhc_phi_split_kernel(n: int, D: int, block_d: int = _D_PAD, threads: int = 1
 
 
 def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
-                       block_t: int = 64, block_k: int = 64, num_stages: int = 3, threads: int = 128):
-    N, NG = n * n + 2 * n, _round_up(n * n + 2 * n, 8)
+                       block_t: int = 128, block_k: int = 128, num_stages: int = 2, threads: int = 256):
+    N, NG = n * n + 2 * n, phi_split_rows(n)
     d_chunks = _round_up(D, _D_PAD) // block_k  # phi's copy is padded with zeros past D
     num_tokens = T.dynamic("num_tokens")
 
@@ -83,8 +89,9 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
                 T.copy(X[t0:t0 + block_t, i, d0:d0 + block_k], xs)
                 T.copy(PhiHi[:, i, d0:d0 + block_k], hi_s)
                 T.copy(PhiLo[:, i, d0:d0 + block_k], lo_s)
-                T.gemm(xs, hi_s, acc, transpose_B=True)
-                T.gemm(xs, lo_s, acc, transpose_B=True)
+                # Warps split the tokens only, so each wgmma spans all NG columns.
+                T.gemm(xs, hi_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(xs, lo_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for t, k in T.Parallel(block_t, block_k):
                     sq[t, k] = T.cast(xs[t, k], "float32") * T.cast(xs[t, k], "float32")
                 T.reduce_sum(sq, sumsq, dim=1, clear=False)
@@ -149,12 +156,14 @@ class MHCForwardPreTileLang:
 
     op_name = "mhc_pre"
     tunable_kernel = staticmethod(mhc_pre_mix_kernel)
-    DEFAULT_CONFIG = {"block_t": 64, "block_k": 64, "num_stages": 3, "threads": 128}
+    DEFAULT_CONFIG = {"block_t": 128, "block_k": 128, "num_stages": 2, "threads": 256}
 
     @staticmethod
     def config_space(n: int, D: int, **_) -> list[dict]:
-        return [dict(block_t=bt, block_k=bk, num_stages=st, threads=128)
-                for bt in (64, 128) for bk in (64, 128) for st in (2, 3, 4)]
+        # One warpgroup per 64 tokens at most: a wgmma's M is 64.
+        return [dict(block_t=bt, block_k=bk, num_stages=st, threads=th)
+                for bt in (64, 128) for bk in (64, 128) for st in (2, 3, 4) for th in (128, 256)
+                if th <= 2 * bt]
 
     def __init__(self, B: int, S: int, n: int, D: int, rms_eps: float = 1e-6, hc_eps: float = 1e-6,
                  config: dict | None = None):
@@ -171,6 +180,7 @@ class MHCForwardPreTileLang:
         check_int("config['block_t']", self.config["block_t"], lo=64, hi=128, multiple_of=64)
         check_int("config['block_k']", self.config["block_k"], lo=64, hi=_D_PAD, multiple_of=64)
         check_int("config['num_stages']", self.config["num_stages"], lo=1, hi=4)
+        check_choice("config['threads']", self.config["threads"], [t for t in (128, 256) if t <= 2 * self.config["block_t"]])
         self._split = compile_kernel(mhc_phi_split_kernel(n, D))
         self._mix = compile_kernel(mhc_pre_mix_kernel(**self.spec, **self.config))
         self._apply = compile_kernel(mhc_pre_apply_kernel(n, D))
@@ -187,8 +197,7 @@ class MHCForwardPreTileLang:
     def _split_phi(self, phi):
         """phi's bf16 hi + lo parts, in buffers reused across calls on the same device."""
         if phi.device not in self._phi_parts:
-            NG = _round_up(self.n * self.n + 2 * self.n, 8)
-            shape = (NG, self.n, _round_up(self.D, _D_PAD))
+            shape = (phi_split_rows(self.n), self.n, _round_up(self.D, _D_PAD))
             self._phi_parts[phi.device] = tuple(torch.empty(shape, device=phi.device, dtype=torch.bfloat16)
                                                 for _ in range(2))
         hi, lo = self._phi_parts[phi.device]

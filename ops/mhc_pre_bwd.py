@@ -22,22 +22,18 @@ g_mix and phi are split into bf16 hi + lo parts for the tensor cores: hi*hi + hi
 import torch
 
 from ._runtime import check_int, check_tensor, compile_kernel, resolve_config
-from .mhc_pre import _D_PAD, MHCForwardPreTileLang, mhc_phi_split_kernel
+from .mhc_pre import _D_PAD, MHCForwardPreTileLang, _round_up, mhc_phi_split_kernel, phi_split_rows
 
 import tilelang.language as T  # noqa: E402  (after _runtime set the cache dir)
 
 
-def _round_up(v: int, m: int) -> int:
-    return (v + m - 1) // m * m
-
-
 def _dims(n: int, D: int, block_d: int):
-    """M rows of phi; NG = M padded for the tensor cores' N (8) and Dp = D padded to _D_PAD: the layout
+    """M rows of phi; NG = phi_split_rows(n) and Dp = D padded to _D_PAD: the layout
     [NG, n, Dp] of the forward's phi split, reused here; NP = M padded to 32 for g_mix as a tensor-core
     operand (K multiple of 16, >= 64-byte rows as the MN-major operand of grad_phi); Dc = D padded to
     block_d (the D-chunks the kernels walk; block_d divides _D_PAD, so Dc <= Dp)."""
     M = n * n + 2 * n
-    return M, _round_up(M, 8), _round_up(M, 32), _round_up(D, _D_PAD), _round_up(D, block_d)
+    return M, phi_split_rows(n), _round_up(M, 32), _round_up(D, _D_PAD), _round_up(D, block_d)
 
 
 @T.macro

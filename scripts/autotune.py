@@ -30,6 +30,7 @@ def autotune(op, call_inputs, warmup=10, rep=50):
     tuner = AutoTuner.from_kernel(op.tunable_kernel, configs)
     tuner.set_compile_args(target=_runtime.target())
     with set_autotune_inputs(list(op.tune_args(*call_inputs))):
+        tuner.set_profile_args(skip_check=True)  # freezes the captured inputs; outputs are checked by tests
         result = tuner.run(warmup=warmup, rep=rep)
     config = {k: v for k, v in result.config.items() if k not in op.spec}
     _runtime.save_tuned(op.op_name, op.spec, config, result.latency)

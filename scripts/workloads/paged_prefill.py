@@ -102,11 +102,13 @@ def bench(b):
         b.target(OP, wa, ">= 1.0x fastest SDPA backend (causal)", ms <= best)
 
     hist = 1024 if quick else 15360
+    best_b = None  # SDPA runs on contiguous data: one peer timing serves both block sizes
     for bs in (16, 64):
         wb = f"(b) {n}x1024 new + {hist} history, bs{bs}"
-        ms, best = case(wb, [1024] * n, [hist] * n, bs, peers=bs == 64)
-        if best is not None:
-            b.target(OP, wb, "faster than fastest SDPA backend (causal_lower_right)", ms < best)
+        ms, best = case(wb, [1024] * n, [hist] * n, bs, peers=best_b is None)
+        best_b = best_b or best
+        if best_b is not None:
+            b.target(OP, wb, f"faster than fastest SDPA backend (causal_lower_right; {best_b / ms:.2f}x)", ms < best_b)
         b.target(OP, wb, "TFLOP/s within 15% of (a)", tflops[wb] >= 0.85 * tflops[wa])
 
     gen = torch.Generator().manual_seed(1)
