@@ -32,10 +32,11 @@ _STRATEGIES = ("group", "head")
 _COMBINES = ("softmax", "token")
 _REPR_MODES = ("mean", "last")
 _LOG2E = 1.4426950408889634
-_RADIX = 256  # histogram bins of one radix-select digit (= threads of the top-k kernel)
-_KEY_BATCH = 8  # keys each top-k thread loads at once
+_RADIX = 256  # histogram bins of one radix-select digit
+_TOPK_THREADS = 1024  # threads of a top-k CTA
+_KEY_BATCH = 8  # keys each top-k thread loads at once (one batch: _TOPK_THREADS * _KEY_BATCH keys)
 _IDX_BITS = 24  # logical page index bits of the selection key (max_pages < 2**24)
-_QROWS_SCORE = 16  # query rows of the score product (the N of E @ Q^T; G <= 16)
+_VEC = 8  # 16-bit elements of one 16-byte load
 _QROWS_DECODE = 16  # query rows of the decode products (one mma M tile; G <= 16)
 _SMEM_BUDGET = 200 * 1024  # bytes of shared memory a decode CTA may use (sm_90: 227 KiB)
 _ZCOLS = 32  # reprs of a split's selected pages: the N of the z product (>= items_per_split)
@@ -92,15 +93,45 @@ def page_repr_kernel(num_kv_heads: int, head_dim: int, page_size: int, dtype: st
 
 
 # ----------------------------------------------------------------------------- selection
+def _score_layout(num_kv_heads: int, head_dim: int, max_threads: int = 256) -> tuple[int, int]:
+    """(heads per CTA, pages per step) of the score kernel. A CTA reads whole rows: the reprs of its
+    heads of one page, head_dim / 8 lanes of 16 bytes per head (all kv heads = one contiguous 2 KB row at
+    the bench shape); most heads first, then as many rows per step as fit in max_threads whole warps."""
+    lph = head_dim // _VEC
+    for hc in range(num_kv_heads, 0, -1):
+        vr = hc * lph
+        if num_kv_heads % hc == 0 and vr <= max_threads:
+            rows = [r for r in range(1, max_threads // vr + 1) if r * vr % 32 == 0]
+            if rows:
+                return hc, rows[-1]
+    raise AssertionError("unreachable: one head (8..32 lanes) always fits")
+
+
+def _score_to_key(score):
+    """Sortable bits of an fp32 score: negative scores flip all bits, others set the sign bit, so unsigned
+    order is float order and finite scores stay > 0 (0 marks a non-candidate)."""
+    ib = T.reinterpret(score, "int32")
+    return T.reinterpret(ib ^ ((ib >> 31) | T.int32(-(1 << 31))), "uint32")
+
+
 def hsa_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
                      selection_strategy: str, window_size: int, scale: float,
-                     block_pages: int = 64, threads: int = 128):
+                     pages_per_thread: int = 32, unroll: int = 4):
     """keys[b, h, j] for candidate pages j < n_cand(b): sortable bits of the score, 0 when the repr is
-    invalid. One CTA per (block of block_pages logical pages, kv head, request): many small gathers in
-    flight rather than a loop over heads."""
+    invalid. A bandwidth kernel without tensor cores: each thread reads 16 bytes (8 dims of one kv head)
+    of a page's repr row per page, dots them with its query slice in fp32, and the head's lanes reduce
+    with shuffles. A CTA covers rows x pages_per_thread pages of a request; each thread keeps `unroll`
+    pages' loads in flight and fetches the next batch's page ids (page_table) while the current batch's
+    reprs arrive, so the chain page_table -> reprs costs one latency per batch, not two."""
     G = num_heads // num_kv_heads
-    GQ = _QROWS_SCORE
+    hc, rows = _score_layout(num_kv_heads, head_dim)
+    lph = head_dim // _VEC
+    threads = rows * hc * lph
+    n_iter = max(1, pages_per_thread // unroll)
+    block_pages = rows * n_iter * unroll
+    NQ = 1 if selection_strategy == "group" else G  # query vectors a thread dots with each repr slice
     batch, max_pages, num_pages = T.dynamic("batch, max_pages, num_pages")
+    f32 = "float32"
 
     @T.prim_func
     def hsa_score(q: T.Tensor((batch, num_heads, head_dim), dtype),
@@ -109,41 +140,71 @@ def hsa_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size
                   chunk_repr: T.Tensor((num_pages, num_kv_heads, head_dim), dtype),
                   repr_valid: T.Tensor((num_pages,), "uint8"),
                   keys: T.Tensor((batch, num_kv_heads, max_pages), "uint32")):
-        with T.Kernel(T.ceildiv(max_pages, block_pages), num_kv_heads, batch, threads=threads) as (c, h, b):
-            q_s = T.alloc_shared((GQ, head_dim), dtype)
-            e_s = T.alloc_shared((block_pages, head_dim), dtype)
-            pid_s = T.alloc_shared((block_pages,), "int32")
-            s_all = T.alloc_fragment((block_pages, GQ), "float32")
-            s = T.alloc_fragment((block_pages,), "float32")
+        with T.Kernel(T.ceildiv(max_pages, block_pages), num_kv_heads // hc, batch, threads=threads) as (c, hb, b):
+            # 1024 threads of loads per SM (<= 64 registers) when a thread holds one query slice.
+            T.annotate_min_blocks_per_sm(max(1, (1024 if NQ == 1 else 512) // threads))
+            tx = T.get_thread_binding()
+            row = tx // (hc * lph)
+            hh = tx % (hc * lph) // lph
+            lane = tx % lph
+            h = hb * hc + hh
+            keys_s = T.alloc_shared((hc, block_pages), "uint32")
+            qv = T.alloc_local((NQ, _VEC), f32)
+            e = T.alloc_local((unroll, _VEC), dtype)
+            pid = T.alloc_local((unroll,), "int32")
+            pid_next = T.alloc_local((unroll,), "int32")
+            ok = T.alloc_local((unroll,), "bool")
+            part = T.alloc_local((NQ,), f32)
+            s = T.alloc_var(f32)
             L = seq_lens[b]
             lo = _first_local(L, page_size, window_size)
             n_cand = lo // page_size
             j0 = c * block_pages
             if j0 < n_cand:
-                for r in T.Parallel(block_pages):
-                    # -1: not a candidate (past n_cand) or a stale repr; such rows are never read.
-                    pid_s[r] = T.if_then_else(j0 + r < n_cand, page_table[b, j0 + r], -1)
-                    if pid_s[r] >= 0:
-                        if repr_valid[pid_s[r]] == 0:
-                            pid_s[r] = -1
-                for g, d in T.Parallel(GQ, head_dim):
-                    q_s[g, d] = T.if_then_else(g < G, q[b, h * G + T.min(g, G - 1), d], T.cast(0, dtype))
-                for r, d in T.Parallel(block_pages, head_dim):
-                    e_s[r, d] = T.if_then_else(pid_s[r] >= 0, chunk_repr[T.max(pid_s[r], 0), h, d],
-                                               T.cast(0, dtype))
-                T.gemm(e_s, q_s, s_all, transpose_B=True, clear_accum=True)
-                if selection_strategy == "group":
-                    T.reduce_sum(s_all, s, dim=1)  # padded query rows are zero
-                else:
-                    for r, g in T.Parallel(block_pages, GQ):
-                        s_all[r, g] = T.if_then_else(g < G, s_all[r, g], -T.infinity("float32"))
-                    T.reduce_max(s_all, s, dim=1)
-                for r in T.Parallel(block_pages):
-                    if j0 + r < n_cand:
-                        bits = T.reinterpret(s[r] * scale, "uint32")
-                        # Flip so unsigned order is float order; finite scores stay > 0.
-                        key = T.if_then_else(bits >= _u32(0x80000000), ~bits, bits | _u32(0x80000000))
-                        keys[b, h, j0 + r] = T.if_then_else(pid_s[r] >= 0, key, _u32(0))
+                for v in T.unroll(_VEC):
+                    if selection_strategy == "group":
+                        qv[0, v] = 0
+                        for g in T.unroll(G):
+                            qv[0, v] += T.cast(q[b, h * G + g, lane * _VEC + v], f32)
+                    else:
+                        for g in T.unroll(G):
+                            qv[g, v] = T.cast(q[b, h * G + g, lane * _VEC + v], f32)
+                # Page j of (batch it, slot u): j0 + (it * unroll + u) * rows + row; -1 past n_cand.
+                for u in T.unroll(unroll):
+                    j = j0 + u * rows + row
+                    pid[u] = T.if_then_else(j < n_cand, page_table[b, T.min(j, max_pages - 1)], -1)
+                for it in T.serial(n_iter):
+                    for u in T.unroll(unroll):
+                        ok[u] = pid[u] >= 0
+                        if ok[u]:
+                            for v in T.vectorized(_VEC):
+                                e[u, v] = chunk_repr[pid[u], h, lane * _VEC + v]
+                            ok[u] = repr_valid[pid[u]] != 0
+                    for u in T.unroll(unroll):
+                        j = j0 + ((it + 1) * unroll + u) * rows + row
+                        pid_next[u] = T.if_then_else(it + 1 < n_iter and j < n_cand,
+                                                     page_table[b, T.min(j, max_pages - 1)], -1)
+                    for u in T.unroll(unroll):
+                        for g in T.unroll(NQ):
+                            part[g] = 0
+                            for v in T.unroll(_VEC):
+                                part[g] += T.cast(e[u, v], f32) * qv[g, v]
+                            # The head's lph lanes are aligned within the warp: xor offsets < lph stay in it.
+                            for k in T.unroll(lph.bit_length() - 1):
+                                part[g] += T.shfl_xor(part[g], lph >> (k + 1))
+                        s = part[0]
+                        for g in T.unroll(1, NQ):
+                            s = T.max(s, part[g])
+                        key = _score_to_key(s * scale)
+                        if lane == 0:
+                            keys_s[hh, (it * unroll + u) * rows + row] = T.if_then_else(ok[u], key, _u32(0))
+                        pid[u] = pid_next[u]
+                T.sync_threads()
+                for i in T.serial(T.ceildiv(hc * block_pages, threads)):
+                    idx = i * threads + tx
+                    r = idx % block_pages
+                    if idx < hc * block_pages and j0 + r < n_cand:
+                        keys[b, hb * hc + idx // block_pages, j0 + r] = keys_s[idx // block_pages, r]
 
     return hsa_score
 
@@ -152,8 +213,23 @@ def hsa_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size
 def _load_keys(keys, kbuf, b, h, it, tx, n_cand):
     """kbuf[e] = keys of batch ``it`` (0 past n_cand): the loads are issued together, not one per round trip."""
     for e in T.unroll(_KEY_BATCH):
-        j = (it * _KEY_BATCH + e) * _RADIX + tx
+        j = (it * _KEY_BATCH + e) * _TOPK_THREADS + tx
         kbuf[e] = T.if_then_else(j < n_cand, keys[b, h, j], _u32(0))
+
+
+@T.macro
+def _warp_aggregated_add(hist, digit, lane, peers):
+    """hist[digit] += 1 for each lane with digit < _RADIX (int32), one shared atomic per distinct digit of the warp:
+    in the first digits most keys share a bin (the scores' exponents agree), and 32 same-address atomics
+    of one instruction serialize. The lanes with equal 9-bit digit find each other with 9 ballots, and the
+    lowest of them adds their count."""
+    peers[0] = -1
+    for bit in T.unroll(9):
+        on = (digit >> bit) & 1
+        vote = T.call_extern("int32", "__ballot_sync", _u32(0xFFFFFFFF), on)
+        peers[0] = peers[0] & ~(vote ^ -on)  # vote where this lane's bit is set, else ~vote
+    if digit < _RADIX and T.__ffs(peers[0]) == lane + 1:
+        T.atomic_add(hist[digit], T.call_extern("int32", "__popc", peers[0]))
 
 
 def _key_to_score(key):
@@ -163,8 +239,10 @@ def _key_to_score(key):
 
 def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: int):
     """Top-k of keys[b, h, :n_cand(b)] -> selected_page_ids (physical) and scores, best first,
-    padded with -1 / -inf. One CTA of 256 threads per (kv head, request)."""
-    NT = _RADIX
+    padded with -1 / -inf. One CTA of 1024 threads per (kv head, request): up to 8192 keys are loaded once
+    into registers (8 per thread) and every radix pass works on them there; longer key rows are re-read
+    per pass in batches of 8192."""
+    NT = _TOPK_THREADS
     batch, max_pages = T.dynamic("batch, max_pages")
     idx_top = (1 << _IDX_BITS) - 1
 
@@ -176,8 +254,9 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
                  selected_scores: T.Tensor((batch, num_kv_heads, topk), "float32")):
         with T.Kernel(num_kv_heads, batch, threads=NT) as (h, b):
             tx = T.get_thread_binding()
-            hist = T.alloc_shared((NT,), "int32")
-            suffix = T.alloc_shared((NT + 1,), "int32")
+            lane = tx % 32
+            hist = T.alloc_shared((_RADIX,), "int32")
+            suffix = T.alloc_shared((_RADIX + 1,), "int32")
             # 0: chosen digit, 1: rank still to fill inside the chosen bin, 2: winners written
             state = T.alloc_shared((3,), "int32")
             win_key = T.alloc_shared((topk,), "uint32")
@@ -192,48 +271,57 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
             done = T.alloc_var("int32", 0)
             acc = T.alloc_var("int32")
             rank = T.alloc_var("int32")
+            peers = T.alloc_local((1,), "int32")
             L = seq_lens[b]
             lo = _first_local(L, page_size, window_size)
             n_cand = lo // page_size
             n_batches = T.ceildiv(n_cand, NT * _KEY_BATCH)
             kbuf = T.alloc_local((_KEY_BATCH,), "uint32")
+            _load_keys(keys, kbuf, b, h, 0, tx, n_cand)  # kept for every pass when n_batches == 1
 
             for p in T.serial(4 + _IDX_BITS // 8):
                 if done == 0:
                     on_score = p < 4
                     shift = T.if_then_else(on_score, 24 - 8 * p, _IDX_BITS - 8 - 8 * (p - 4))
-                    hist[tx] = 0
+                    if tx < _RADIX:
+                        hist[tx] = 0
                     T.sync_threads()
                     for it in T.serial(n_batches):
-                        _load_keys(keys, kbuf, b, h, it, tx, n_cand)
+                        if n_batches > 1:
+                            _load_keys(keys, kbuf, b, h, it, tx, n_cand)
                         for e in T.unroll(_KEY_BATCH):
                             u = kbuf[e]
                             r = T.cast(idx_top - (it * _KEY_BATCH + e) * NT - tx, "uint32")
-                            if u != _u32(0) and (u & mu) == pu and (r & mr) == pr:
-                                digit = T.if_then_else(on_score, u >> T.cast(shift, "uint32"),
-                                                       r >> T.cast(shift, "uint32")) & _u32(0xFF)
-                                T.atomic_add(hist[T.cast(digit, "int32")], 1)
+                            digit = T.if_then_else(
+                                u != _u32(0) and (u & mu) == pu and (r & mr) == pr,
+                                T.cast(T.if_then_else(on_score, u >> T.cast(shift, "uint32"),
+                                                      r >> T.cast(shift, "uint32")) & _u32(0xFF), "int32"),
+                                _RADIX)
+                            _warp_aggregated_add(hist, digit, lane, peers)
                     T.sync_threads()
-                    # suffix[t] = sum of hist[t:]: Hillis-Steele scan, log2(NT) steps.
-                    acc = hist[tx]
-                    suffix[tx] = acc
+                    # suffix[t] = sum of hist[t:]: Hillis-Steele scan over the bins, log2(_RADIX) steps.
+                    if tx < _RADIX:
+                        acc = hist[tx]
+                        suffix[tx] = acc
                     if tx == 0:
-                        suffix[NT] = 0
+                        suffix[_RADIX] = 0
                     T.sync_threads()
                     for step in T.unroll(8):
-                        add = T.if_then_else(tx + (1 << step) < NT, suffix[T.min(tx + (1 << step), NT - 1)], 0)
+                        add = T.if_then_else(tx + (1 << step) < _RADIX, suffix[T.min(tx + (1 << step), _RADIX - 1)], 0)
                         T.sync_threads()
-                        acc += add
-                        suffix[tx] = acc
+                        if tx < _RADIX:
+                            acc += add
+                            suffix[tx] = acc
                         T.sync_threads()
                     if p == 0 and suffix[0] <= topk:
                         # No more candidates than topk: all of them win, no digit to settle.
                         k_eff = suffix[0]
                         done = 1
                     else:
-                        if suffix[tx] >= need and suffix[tx + 1] < need:
-                            state[0] = tx
-                            state[1] = need - suffix[tx + 1]
+                        if tx < _RADIX:
+                            if suffix[tx] >= need and suffix[tx + 1] < need:
+                                state[0] = tx
+                                state[1] = need - suffix[tx + 1]
                         T.sync_threads()
                         need = state[1]
                         digit_mask = _u32(0xFF) << T.cast(shift, "uint32")
@@ -253,7 +341,8 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
                 state[2] = 0
             T.sync_threads()
             for it in T.serial(n_batches):
-                _load_keys(keys, kbuf, b, h, it, tx, n_cand)
+                if n_batches > 1:
+                    _load_keys(keys, kbuf, b, h, it, tx, n_cand)
                 for e in T.unroll(_KEY_BATCH):
                     u = kbuf[e]
                     j = (it * _KEY_BATCH + e) * NT + tx
