@@ -13,7 +13,7 @@ sorted by decreasing KV length so the longest tiles start first (load balance ov
 batches). The grid is an upper bound on the tile count, `(total_q + num_seqs * (tokens - 1)) //
 tokens`; spare CTAs exit at once.
 
-K/V tiles are loaded by whole pages when block_size >= 16: one TMA copy per page (or per
+K/V tiles are loaded by whole pages when block_size >= _PAGE_LOADS_FROM (32): one TMA copy per page (or per
 `block_N` slice of a larger page) and 128-byte column band, addressed through the block table.
 The KV loop has no data-dependent branch around it (an idle tile runs zero steps), so TileLang
 warp-specializes it: a producer warpgroup issues the TMA copies into a 2-stage mbarrier ring
@@ -37,6 +37,10 @@ _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: 
 _HEAD_SIZES = (64, 128, 256)
 _BITS = {"float16": 16, "bfloat16": 16, "float32": 32}
 _LOG2E = 1.4426950408889634
+# Page size from which K/V tiles are loaded by whole-page TMA copies. At 16 rows a 128-row tile
+# needs 32 copies per KV step (8 pages x 2 column bands x K/V), each with its own mbarrier pair, and
+# the row gathers win (H200, same run: (b) bs16 311 vs 250 TFLOP/s, bs32 313 vs 355, bs64 313 vs 378).
+_PAGE_LOADS_FROM = 32
 
 
 def head_pack(num_heads: int, num_kv_heads: int, block_M: int) -> int:
@@ -65,7 +69,7 @@ def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, bloc
     q_shape = (total_q, num_heads, head_size)
     accum = "float32"
     scale_log2 = scale * _LOG2E  # scores live in the log2 domain: exp2 is one instruction
-    paged = block_size >= 16  # whole-page (TMA) loads; smaller pages are gathered row by row
+    paged = block_size >= _PAGE_LOADS_FROM  # whole-page (TMA) loads; smaller pages are gathered row by row
     pages = list(range(max(1, block_N // block_size)))  # page copies per KV tile (Python-unrolled)
     rows_per_copy = min(block_size, block_N)
     band = min(head_size, 1024 // _BITS[dtype])  # 128 bytes: the widest TMA box of a swizzled tile
@@ -208,8 +212,8 @@ def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, bloc
 
 def _default_config(head_size: int, dtype: str, block_size: int = 16) -> dict:
     """Tiles that fit shared memory (Q, plus K and V per pipeline stage) and registers. Whole-page
-    (TMA) loads run two stages; the row gathers of pages < 16 rows do not lower with two."""
-    stages = 2 if block_size >= 16 else 1
+    (TMA) loads run two stages; the row gathers of smaller pages do not lower with two."""
+    stages = 2 if block_size >= _PAGE_LOADS_FROM else 1
     if dtype == "float32":
         return {"block_M": 64, "block_N": 32 if head_size == 256 else 64, "num_stages": stages, "threads": 128}
     if head_size == 256:
@@ -242,8 +246,8 @@ class PagedAttentionPrefillTileLang:
 
     @staticmethod
     def config_space(**spec) -> list[dict]:
-        # Two software-pipeline stages do not lower with the row-gather loads (block_size < 16).
-        stages = (1, 2) if spec.get("block_size", 16) >= 16 else (0, 1)
+        # Two software-pipeline stages do not lower with the row-gather loads (small pages).
+        stages = (1, 2) if spec.get("block_size", 16) >= _PAGE_LOADS_FROM else (0, 1)
         big = spec.get("head_size", 128) == 256 or spec.get("dtype") == "float32"
         tiles = ([(64, 64, 128), (64, 32, 128)] if big else
                  [(128, 128, 256), (128, 64, 256), (64, 128, 128), (64, 64, 128)])

@@ -24,6 +24,8 @@ GPU_CASES = [
           kv_layout="HND"), [300, 2, 129], [0, 600, 1]),
     (dict(num_heads=4, num_kv_heads=2, head_size=64, block_size=64, dtype=torch.float16, kv_layout="HND"),
      [1, 1, 1, 250], [100, 0, 63, 64]),
+    (dict(num_heads=8, num_kv_heads=2, head_size=128, block_size=32, dtype=torch.bfloat16, use_alibi=True,
+          kv_layout="NHD"), [33, 0, 200, 1], [500, 7, 0, 95]),  # whole-page loads from the NHD layout
 ]
 
 
