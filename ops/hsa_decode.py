@@ -32,9 +32,8 @@ _STRATEGIES = ("group", "head")
 _COMBINES = ("softmax", "token")
 _REPR_MODES = ("mean", "last")
 _LOG2E = 1.4426950408889634
-_RADIX = 256  # histogram bins of one radix-select digit
-_TOPK_THREADS = 1024  # threads of a top-k CTA
-_KEY_BATCH = 8  # keys each top-k thread loads at once (one batch: _TOPK_THREADS * _KEY_BATCH keys)
+_RADIX = 256  # histogram bins of one radix-select digit (= threads of the top-k kernel)
+_KEY_BATCH = 8  # keys each top-k thread loads at once
 _IDX_BITS = 24  # logical page index bits of the selection key (max_pages < 2**24)
 _VEC = 8  # 16-bit elements of one 16-byte load
 _QROWS_DECODE = 16  # query rows of the decode products (one mma M tile; G <= 16)
@@ -213,23 +212,8 @@ def hsa_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size
 def _load_keys(keys, kbuf, b, h, it, tx, n_cand):
     """kbuf[e] = keys of batch ``it`` (0 past n_cand): the loads are issued together, not one per round trip."""
     for e in T.unroll(_KEY_BATCH):
-        j = (it * _KEY_BATCH + e) * _TOPK_THREADS + tx
+        j = (it * _KEY_BATCH + e) * _RADIX + tx
         kbuf[e] = T.if_then_else(j < n_cand, keys[b, h, j], _u32(0))
-
-
-@T.macro
-def _warp_aggregated_add(hist, digit, lane, peers):
-    """hist[digit] += 1 for each lane with digit < _RADIX (int32), one shared atomic per distinct digit of the warp:
-    in the first digits most keys share a bin (the scores' exponents agree), and 32 same-address atomics
-    of one instruction serialize. The lanes with equal 9-bit digit find each other with 9 ballots, and the
-    lowest of them adds their count."""
-    peers[0] = -1
-    for bit in T.unroll(9):
-        on = (digit >> bit) & 1
-        vote = T.call_extern("int32", "__ballot_sync", _u32(0xFFFFFFFF), on)
-        peers[0] = peers[0] & ~(vote ^ -on)  # vote where this lane's bit is set, else ~vote
-    if digit < _RADIX and T.__ffs(peers[0]) == lane + 1:
-        T.atomic_add(hist[digit], T.call_extern("int32", "__popc", peers[0]))
 
 
 def _key_to_score(key):
@@ -239,10 +223,8 @@ def _key_to_score(key):
 
 def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: int):
     """Top-k of keys[b, h, :n_cand(b)] -> selected_page_ids (physical) and scores, best first,
-    padded with -1 / -inf. One CTA of 1024 threads per (kv head, request): up to 8192 keys are loaded once
-    into registers (8 per thread) and every radix pass works on them there; longer key rows are re-read
-    per pass in batches of 8192."""
-    NT = _TOPK_THREADS
+    padded with -1 / -inf. One CTA of 256 threads per (kv head, request)."""
+    NT = _RADIX
     batch, max_pages = T.dynamic("batch, max_pages")
     idx_top = (1 << _IDX_BITS) - 1
 
@@ -254,9 +236,8 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
                  selected_scores: T.Tensor((batch, num_kv_heads, topk), "float32")):
         with T.Kernel(num_kv_heads, batch, threads=NT) as (h, b):
             tx = T.get_thread_binding()
-            lane = tx % 32
-            hist = T.alloc_shared((_RADIX,), "int32")
-            suffix = T.alloc_shared((_RADIX + 1,), "int32")
+            hist = T.alloc_shared((NT,), "int32")
+            suffix = T.alloc_shared((NT + 1,), "int32")
             # 0: chosen digit, 1: rank still to fill inside the chosen bin, 2: winners written
             state = T.alloc_shared((3,), "int32")
             win_key = T.alloc_shared((topk,), "uint32")
@@ -271,57 +252,48 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
             done = T.alloc_var("int32", 0)
             acc = T.alloc_var("int32")
             rank = T.alloc_var("int32")
-            peers = T.alloc_local((1,), "int32")
             L = seq_lens[b]
             lo = _first_local(L, page_size, window_size)
             n_cand = lo // page_size
             n_batches = T.ceildiv(n_cand, NT * _KEY_BATCH)
             kbuf = T.alloc_local((_KEY_BATCH,), "uint32")
-            _load_keys(keys, kbuf, b, h, 0, tx, n_cand)  # kept for every pass when n_batches == 1
 
             for p in T.serial(4 + _IDX_BITS // 8):
                 if done == 0:
                     on_score = p < 4
                     shift = T.if_then_else(on_score, 24 - 8 * p, _IDX_BITS - 8 - 8 * (p - 4))
-                    if tx < _RADIX:
-                        hist[tx] = 0
+                    hist[tx] = 0
                     T.sync_threads()
                     for it in T.serial(n_batches):
-                        if n_batches > 1:
-                            _load_keys(keys, kbuf, b, h, it, tx, n_cand)
+                        _load_keys(keys, kbuf, b, h, it, tx, n_cand)
                         for e in T.unroll(_KEY_BATCH):
                             u = kbuf[e]
                             r = T.cast(idx_top - (it * _KEY_BATCH + e) * NT - tx, "uint32")
-                            digit = T.if_then_else(
-                                u != _u32(0) and (u & mu) == pu and (r & mr) == pr,
-                                T.cast(T.if_then_else(on_score, u >> T.cast(shift, "uint32"),
-                                                      r >> T.cast(shift, "uint32")) & _u32(0xFF), "int32"),
-                                _RADIX)
-                            _warp_aggregated_add(hist, digit, lane, peers)
+                            if u != _u32(0) and (u & mu) == pu and (r & mr) == pr:
+                                digit = T.if_then_else(on_score, u >> T.cast(shift, "uint32"),
+                                                       r >> T.cast(shift, "uint32")) & _u32(0xFF)
+                                T.atomic_add(hist[T.cast(digit, "int32")], 1)
                     T.sync_threads()
-                    # suffix[t] = sum of hist[t:]: Hillis-Steele scan over the bins, log2(_RADIX) steps.
-                    if tx < _RADIX:
-                        acc = hist[tx]
-                        suffix[tx] = acc
+                    # suffix[t] = sum of hist[t:]: Hillis-Steele scan, log2(NT) steps.
+                    acc = hist[tx]
+                    suffix[tx] = acc
                     if tx == 0:
-                        suffix[_RADIX] = 0
+                        suffix[NT] = 0
                     T.sync_threads()
                     for step in T.unroll(8):
-                        add = T.if_then_else(tx + (1 << step) < _RADIX, suffix[T.min(tx + (1 << step), _RADIX - 1)], 0)
+                        add = T.if_then_else(tx + (1 << step) < NT, suffix[T.min(tx + (1 << step), NT - 1)], 0)
                         T.sync_threads()
-                        if tx < _RADIX:
-                            acc += add
-                            suffix[tx] = acc
+                        acc += add
+                        suffix[tx] = acc
                         T.sync_threads()
                     if p == 0 and suffix[0] <= topk:
                         # No more candidates than topk: all of them win, no digit to settle.
                         k_eff = suffix[0]
                         done = 1
                     else:
-                        if tx < _RADIX:
-                            if suffix[tx] >= need and suffix[tx + 1] < need:
-                                state[0] = tx
-                                state[1] = need - suffix[tx + 1]
+                        if suffix[tx] >= need and suffix[tx + 1] < need:
+                            state[0] = tx
+                            state[1] = need - suffix[tx + 1]
                         T.sync_threads()
                         need = state[1]
                         digit_mask = _u32(0xFF) << T.cast(shift, "uint32")
@@ -341,8 +313,7 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
                 state[2] = 0
             T.sync_threads()
             for it in T.serial(n_batches):
-                if n_batches > 1:
-                    _load_keys(keys, kbuf, b, h, it, tx, n_cand)
+                _load_keys(keys, kbuf, b, h, it, tx, n_cand)
                 for e in T.unroll(_KEY_BATCH):
                     u = kbuf[e]
                     j = (it * _KEY_BATCH + e) * NT + tx
