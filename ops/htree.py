@@ -73,7 +73,7 @@ def htree_pool_kernel(num_kv_heads: int, head_dim: int, v_head_dim: int, compres
 
 def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
                      compression_rate: int, top_k: int, max_top_nodes: int, scale: float, dtype: str,
-                     block_n: int = 64, threads: int = 128):
+                     block_n: int = 64, threads: int = 128, min_blocks: int = 3):
     H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
     G = H // Hkv
     GP = max(16, G)  # tensor-core M
@@ -186,16 +186,21 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
         write_sel: T.int32,
     ):
         with T.Kernel(Tn, Hkv, B, threads=threads) as (t, h, b):
-            q_raw = T.alloc_shared((GP, K), "float32")
+            # The walk is latency-bound (dependent gathers, barriers): capping registers so that
+            # min_blocks CTAs share an SM hides more of it than the extra registers would.
+            T.annotate_min_blocks_per_sm(min_blocks)
+            # Shared memory decides how many CTAs share an SM, so tiles are reused where lifetimes allow.
+            q_raw = T.alloc_shared((G, K), dtype)
             q_s = T.alloc_shared((GP, K), cdt)
             k_s = T.alloc_shared((block_n, K), cdt)
-            v_s = T.alloc_shared((block_n, V), cdt)
             p_s = T.alloc_shared((GP, block_n), cdt)
             # low parts of the split-TF32 operands (unused placeholders otherwise)
             q_lo = T.alloc_shared((GP, K) if split else (1, 1), cdt)
             k_lo = T.alloc_shared((block_n, K) if split else (1, 1), cdt)
-            v_lo = T.alloc_shared((block_n, V) if split else (1, 1), cdt)
             p_lo = T.alloc_shared((GP, block_n) if split else (1, 1), cdt)
+            # V's tile is loaded after the chunk's scores are computed: it can take K's place
+            v_s = k_s if K == V else T.alloc_shared((block_n, V), cdt)
+            v_lo = k_lo if K == V else T.alloc_shared((block_n, V) if split else (1, 1), cdt)
             prob_s = T.alloc_shared((GP, block_n), "float32")
             node_s = T.alloc_shared((block_n,), "int32")
             keys = T.alloc_shared((nbuf,), "int32")
@@ -221,8 +226,8 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             w = T.alloc_var("int32")
             tx = T.get_thread_binding()
 
-            for g, d in T.Parallel(GP, K):
-                q_raw[g, d] = T.if_then_else(g < G, T.cast(Q[b, t, T.min(h * G + g, H - 1), d], "float32"), 0.0)
+            for g, d in T.Parallel(G, K):
+                q_raw[g, d] = Q[b, t, h * G + g, d]
             T.fill(acc_o, 0.0)
             T.fill(s_part, 0.0)
             T.fill(m_run, _NEG)
@@ -239,8 +244,8 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                     n = (n_par - 1) * r + T.bitwise_and(last, r - 1) + 1
                 # The query sits at candidate-local position n - 1.
                 for g, i in T.Parallel(GP, half):
-                    x = q_raw[g, i]
-                    y = q_raw[g, i + half]
+                    x = T.if_then_else(g < G, T.cast(q_raw[T.min(g, G - 1), i], "float32"), 0.0)
+                    y = T.if_then_else(g < G, T.cast(q_raw[T.min(g, G - 1), i + half], "float32"), 0.0)
                     lo = q_scale * (x * Cos[n - 1, i] - y * Sin[n - 1, i])
                     hi = q_scale * (x * Sin[n - 1, i] + y * Cos[n - 1, i])
                     if split:
@@ -384,12 +389,14 @@ class HTreeForwardTileLang:
     [B,T,Hkv,top_k] int32 ascending, -1 padded. See the module docstring for the memory needed."""
 
     op_name = "htree"
-    DEFAULT_CONFIG = {"block_n": 64, "threads": 128}
+    DEFAULT_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 3}
+    # fp32 doubles the operand tiles (split-TF32): smaller chunks keep 3 CTAs per SM
+    FP32_DEFAULT_CONFIG = {"block_n": 32, "threads": 128, "min_blocks": 3}
     tunable_kernel = staticmethod(htree_fwd_kernel)
 
     @staticmethod
     def config_space(**spec) -> list[dict]:
-        return [{"block_n": bn, "threads": 128} for bn in (32, 64, 128)]
+        return [{"block_n": bn, "threads": 128, "min_blocks": mb} for bn in (32, 64, 128) for mb in (2, 3, 4)]
 
     def __init__(self, num_heads, num_kv_heads, head_dim, v_head_dim=None, compression_rate=16,
                  top_k_per_layer=512, max_top_nodes=8192, rope_base=10000.0, dtype=torch.bfloat16,
@@ -423,7 +430,8 @@ class HTreeForwardTileLang:
         self.spec = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                      "v_head_dim": v_head_dim, "compression_rate": compression_rate, "top_k": top_k_per_layer,
                      "max_top_nodes": max_top_nodes, "scale": self.scale, "dtype": _DTYPES[dtype]}
-        self.config = resolve_config(self.op_name, self.spec, config, self.DEFAULT_CONFIG)
+        default = self.FP32_DEFAULT_CONFIG if dtype == torch.float32 else self.DEFAULT_CONFIG
+        self.config = resolve_config(self.op_name, self.spec, config, default)
         self.pool = compile_kernel(htree_pool_kernel(num_kv_heads, head_dim, v_head_dim, compression_rate,
                                                      _DTYPES[dtype]))
         self.kernel = compile_kernel(htree_fwd_kernel(**self.spec, **self.config))
