@@ -97,6 +97,22 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
         hi_buf[i, j] = hi
         lo_buf[i, j] = x - hi
 
+    @T.macro
+    def put(x, dst, dst_lo, i, j):
+        """Store x (fp32) as an mma operand: split-TF32 halves, or the input dtype."""
+        if split:
+            hi_lo(x, dst, dst_lo, i, j)
+        else:
+            dst[i, j] = T.cast(x, cdt)
+
+    @T.macro
+    def put_rotated(x, y, cos, sin, mul, ok, dst, dst_lo, row, i):
+        """dst[row, i], dst[row, i + K/2] = mul * rotate-half RoPE of the pair (x, y); 0 unless ok."""
+        lo = T.if_then_else(ok, mul * (x * cos - y * sin), 0.0)
+        hi = T.if_then_else(ok, mul * (x * sin + y * cos), 0.0)
+        put(lo, dst, dst_lo, row, i)
+        put(hi, dst, dst_lo, row, i + half)
+
     def head_sum(buf, j):
         """sum_g buf[g, j] over the G real heads, in head order like the golden."""
         total = buf[0, j]
@@ -125,15 +141,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                                T.cast(NodesK[b, T.min(off + node, NN - 1), h, i], "float32"))
             y = T.if_then_else(l == 0, T.cast(Kt[b, T.min(node, Tn - 1), h, i + half], "float32"),
                                T.cast(NodesK[b, T.min(off + node, NN - 1), h, i + half], "float32"))
-            ok = c0 + j < n
-            lo = T.if_then_else(ok, x * Cos[p, i] - y * Sin[p, i], 0.0)
-            hi = T.if_then_else(ok, x * Sin[p, i] + y * Cos[p, i], 0.0)
-            if split:
-                hi_lo(lo, k_s, k_lo, j, i)
-                hi_lo(hi, k_s, k_lo, j, i + half)
-            else:
-                k_s[j, i] = T.cast(lo, cdt)
-                k_s[j, i + half] = T.cast(hi, cdt)
+            put_rotated(x, y, Cos[p, i], Sin[p, i], 1.0, c0 + j < n, k_s, k_lo, j, i)
 
     @T.macro
     def load_v(Vt, NodesV, node_s, v_s, v_lo, b, h, l, c0, off, n):
@@ -144,10 +152,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                                T.if_then_else(l == 0, T.cast(Vt[b, T.min(node, Tn - 1), h, d], "float32"),
                                               T.cast(NodesV[b, T.min(off + node, NN - 1), h, d], "float32")),
                                0.0)
-            if split:
-                hi_lo(x, v_s, v_lo, j, d)
-            else:
-                v_s[j, d] = T.cast(x, cdt)
+            put(x, v_s, v_lo, j, d)
 
     @T.macro
     def scores(q_s, q_lo, k_s, k_lo, acc_s, c0, n):
@@ -246,14 +251,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                 for g, i in T.Parallel(GP, half):
                     x = T.if_then_else(g < G, T.cast(q_raw[T.min(g, G - 1), i], "float32"), 0.0)
                     y = T.if_then_else(g < G, T.cast(q_raw[T.min(g, G - 1), i + half], "float32"), 0.0)
-                    lo = q_scale * (x * Cos[n - 1, i] - y * Sin[n - 1, i])
-                    hi = q_scale * (x * Sin[n - 1, i] + y * Cos[n - 1, i])
-                    if split:
-                        hi_lo(lo, q_s, q_lo, g, i)
-                        hi_lo(hi, q_s, q_lo, g, i + half)
-                    else:
-                        q_s[g, i] = T.cast(lo, cdt)
-                        q_s[g, i + half] = T.cast(hi, cdt)
+                    put_rotated(x, y, Cos[n - 1, i], Sin[n - 1, i], q_scale, True, q_s, q_lo, g, i)
                 chunks = T.ceildiv(n, block_n)
                 thr = 0
                 if l > 0:
@@ -361,10 +359,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                         for g, j in T.Parallel(GP, block_n):
                             acc_s[g, j] = T.if_then_else(acc_s[g, j] <= _NEG, 0.0, T.exp2(acc_s[g, j] - m_run[g]))
                             s_part[g, j] += acc_s[g, j]
-                            if split:
-                                hi_lo(acc_s[g, j], p_s, p_lo, g, j)
-                            else:
-                                p_s[g, j] = T.cast(acc_s[g, j], cdt)
+                            put(acc_s[g, j], p_s, p_lo, g, j)
                         T.gemm(p_s, v_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
                         if split:
                             T.gemm(p_s, v_lo, acc_o, policy=T.GemmWarpPolicy.FullCol)
