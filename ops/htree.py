@@ -1,7 +1,9 @@
 """htree forward (`HTreeForwardTileLang`): hierarchical tree sparse attention, see ``golden.htree``.
 
-Two kernels:
+Three kernels:
   - ``htree_pool_kernel`` builds one tree layer (mean of each node's existing children), once per layer;
+  - ``htree_rope_kernel`` rotates the top layer's K once (its candidates are the same nodes at the same
+    buffer positions for every query), so the walk reads them as contiguous rows without RoPE tables;
   - ``htree_fwd_kernel`` does the whole top-down walk of one (b, t, kv head) row in one CTA, all layers
     fused, so the selected parents of a layer live in shared memory and never reach global memory.
 
@@ -20,7 +22,8 @@ fp32 inputs use split-TF32 products (hi*hi + hi*lo + lo*hi), close to fp32 accur
 an fp32 reference; fp16/bf16 inputs use one 16-bit product with fp32 accumulation.
 
 Memory: the tree above layer 0, sum_{l>=1} N_l ~ T / (r - 1) nodes of K and V per (batch, kv head) in
-the input dtype, plus RoPE tables of max(max_top_nodes, top_k * r) x K/2 fp32 pairs. No workspace grows
+the input dtype, the rotated top layer (<= max_top_nodes rows of K per (batch, kv head)), plus RoPE
+tables of max(max_top_nodes, top_k * r) x K/2 fp32 pairs. No workspace grows
 with T beyond that; the output and, on request, the selections [L-1, B, T, Hkv, top_k] int32.
 """
 
@@ -71,6 +74,28 @@ def htree_pool_kernel(num_kv_heads: int, head_dim: int, v_head_dim: int, compres
     return htree_pool
 
 
+def htree_rope_kernel(num_kv_heads: int, head_dim: int, dtype: str, block_i: int = 32, threads: int = 128):
+    """Dst[b, h, i] = Src[b, src_off + i, h] rotated at position i: the top layer's candidates are the
+    same nodes at the same buffer positions for every query, so they are rotated once, not per query."""
+    H, K = num_kv_heads, head_dim
+    half = K // 2
+    B, NS, NT, NC = T.dynamic("B"), T.dynamic("NS"), T.dynamic("NT"), T.dynamic("NC")
+
+    @T.prim_func
+    def htree_rope(Src: T.Tensor((B, NS, H, K), dtype), Cos: T.Tensor((NC, half), "float32"),
+                   Sin: T.Tensor((NC, half), "float32"), Dst: T.Tensor((B, H, NT, K), dtype), src_off: T.int32):
+        with T.Kernel(T.ceildiv(NT, block_i), H, B, threads=threads) as (bi, h, b):
+            for i, d in T.Parallel(block_i, half):
+                node = bi * block_i + i
+                if node < NT:
+                    x = T.cast(Src[b, src_off + node, h, d], "float32")
+                    y = T.cast(Src[b, src_off + node, h, d + half], "float32")
+                    Dst[b, h, node, d] = T.cast(x * Cos[node, d] - y * Sin[node, d], dtype)
+                    Dst[b, h, node, d + half] = T.cast(x * Sin[node, d] + y * Cos[node, d], dtype)
+
+    return htree_rope
+
+
 def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
                      compression_rate: int, top_k: int, max_top_nodes: int, scale: float, dtype: str,
                      block_n: int = 64, threads: int = 128, min_blocks: int = 3):
@@ -86,7 +111,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     cdt = dtype
     q_scale = scale * _LOG2E  # scores in the log2 domain
     seg = -(-nbuf // threads)  # keys per thread in the compaction
-    B, Tn, NN = T.dynamic("B"), T.dynamic("T"), T.dynamic("NN")
+    B, Tn, NN, NT = T.dynamic("B"), T.dynamic("T"), T.dynamic("NN"), T.dynamic("NT")
     SL, SB, ST = T.dynamic("SL"), T.dynamic("SB"), T.dynamic("ST")
     rightmost_key = struct.unpack("<i", struct.pack("<f", RIGHTMOST_IMPORTANCE))[0]
 
@@ -131,17 +156,23 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                 0)
 
     @T.macro
-    def load_k(Kt, NodesK, Cos, Sin, node_s, k_s, k_lo, b, h, l, c0, off, n):
-        """K of the chunk's candidates rotated at their buffer positions (zero past the candidates):
-        pairs (i, i + K/2) in one loop, so the gathers of both halves are wide loads."""
-        for j, i in T.Parallel(block_n, half):
-            p = T.min(c0 + j, nbuf - 1)
-            node = node_s[j]
-            x = T.if_then_else(l == 0, T.cast(Kt[b, T.min(node, Tn - 1), h, i], "float32"),
-                               T.cast(NodesK[b, T.min(off + node, NN - 1), h, i], "float32"))
-            y = T.if_then_else(l == 0, T.cast(Kt[b, T.min(node, Tn - 1), h, i + half], "float32"),
-                               T.cast(NodesK[b, T.min(off + node, NN - 1), h, i + half], "float32"))
-            put_rotated(x, y, Cos[p, i], Sin[p, i], 1.0, c0 + j < n, k_s, k_lo, j, i)
+    def load_k(Kt, NodesK, TopK, Cos, Sin, node_s, k_s, k_lo, b, h, l, top, c0, off, n):
+        """K of the chunk's candidates rotated at their buffer positions (zero past the candidates).
+        The top layer's rows were rotated beforehand (contiguous, no tables); below it the gathers take
+        pairs (i, i + K/2) in one loop, so both halves are wide loads."""
+        if top:
+            for j, d in T.Parallel(block_n, K):
+                put(T.if_then_else(c0 + j < n, T.cast(TopK[b, h, T.min(c0 + j, NT - 1), d], "float32"), 0.0),
+                    k_s, k_lo, j, d)
+        else:
+            for j, i in T.Parallel(block_n, half):
+                p = T.min(c0 + j, nbuf - 1)
+                node = node_s[j]
+                x = T.if_then_else(l == 0, T.cast(Kt[b, T.min(node, Tn - 1), h, i], "float32"),
+                                   T.cast(NodesK[b, T.min(off + node, NN - 1), h, i], "float32"))
+                y = T.if_then_else(l == 0, T.cast(Kt[b, T.min(node, Tn - 1), h, i + half], "float32"),
+                                   T.cast(NodesK[b, T.min(off + node, NN - 1), h, i + half], "float32"))
+                put_rotated(x, y, Cos[p, i], Sin[p, i], 1.0, c0 + j < n, k_s, k_lo, j, i)
 
     @T.macro
     def load_v(Vt, NodesV, node_s, v_s, v_lo, b, h, l, c0, off, n):
@@ -182,6 +213,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
         Vt: T.Tensor((B, Tn, Hkv, V), dtype),
         NodesK: T.Tensor((B, NN, Hkv, K), dtype),
         NodesV: T.Tensor((B, NN, Hkv, V), dtype),
+        TopK: T.Tensor((B, Hkv, NT, K), dtype),
         Cos: T.Tensor((nbuf, half), "float32"),
         Sin: T.Tensor((nbuf, half), "float32"),
         LayerOff: T.Tensor((_MAX_LAYERS,), "int32"),
@@ -260,7 +292,8 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                     T.fill(l_part, 0.0)
                     for c in T.serial(chunks):
                         load_nodes(parents, node_s, c * block_n, n, n_par)
-                        load_k(Kt, NodesK, Cos, Sin, node_s, k_s, k_lo, b, h, l, c * block_n, off, n)
+                        load_k(Kt, NodesK, TopK, Cos, Sin, node_s, k_s, k_lo, b, h, l, l == num_layers - 1,
+                               c * block_n, off, n)
                         scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
                         for g, j in T.Parallel(GP, block_n):
                             mx = T.max(m_part[g, j], acc_s[g, j])
@@ -277,7 +310,8 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                     # (2) packed importance keys
                     for c in T.serial(chunks):
                         load_nodes(parents, node_s, c * block_n, n, n_par)
-                        load_k(Kt, NodesK, Cos, Sin, node_s, k_s, k_lo, b, h, l, c * block_n, off, n)
+                        load_k(Kt, NodesK, TopK, Cos, Sin, node_s, k_s, k_lo, b, h, l, l == num_layers - 1,
+                               c * block_n, off, n)
                         scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
                         for g, j in T.Parallel(GP, block_n):
                             pr = T.exp2(acc_s[g, j] - lse[g])
@@ -344,7 +378,8 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                 if l == 0 or n > top_k:
                     for c in T.serial(chunks):
                         load_nodes(parents, node_s, c * block_n, n, n_par)
-                        load_k(Kt, NodesK, Cos, Sin, node_s, k_s, k_lo, b, h, l, c * block_n, off, n)
+                        load_k(Kt, NodesK, TopK, Cos, Sin, node_s, k_s, k_lo, b, h, l, l == num_layers - 1,
+                               c * block_n, off, n)
                         scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
                         load_v(Vt, NodesV, node_s, v_s, v_lo, b, h, l, c * block_n, off, n)
                         if l > 0:
@@ -429,6 +464,7 @@ class HTreeForwardTileLang:
         self.config = resolve_config(self.op_name, self.spec, config, default)
         self.pool = compile_kernel(htree_pool_kernel(num_kv_heads, head_dim, v_head_dim, compression_rate,
                                                      _DTYPES[dtype]))
+        self.rope = compile_kernel(htree_rope_kernel(num_kv_heads, head_dim, _DTYPES[dtype]))
         self.kernel = compile_kernel(htree_fwd_kernel(**self.spec, **self.config))
         self._tables = {}
 
@@ -466,22 +502,26 @@ class HTreeForwardTileLang:
             self.pool(src_k, src_v, nodes_k, nodes_v, 0 if l == 1 else offs[l - 1], sizes[l - 1], offs[l], sizes[l])
         layer_off = torch.zeros(_MAX_LAYERS, dtype=torch.int32)
         layer_off[:len(sizes)] = torch.tensor(offs[:len(sizes)], dtype=torch.int32)
-        return nodes_k, nodes_v, layer_off.to(k.device), len(sizes)
+        # the top layer (layer 0 itself when T <= max_top_nodes), rotated at its buffer positions
+        top = k.new_empty(B, Hkv, sizes[-1], self.head_dim)
+        cos, sin = self._rope(k.device)
+        self.rope(k if len(sizes) == 1 else nodes_k, cos, sin, top, 0 if len(sizes) == 1 else offs[-1])
+        return nodes_k, nodes_v, top, layer_off.to(k.device), len(sizes)
 
     def tune_args(self, q, k, v, return_selection=False, out=None):
         self._check(q, k, v, out)
         B, T = q.shape[:2]
-        nodes_k, nodes_v, layer_off, L = self._tree(k, v)
+        nodes_k, nodes_v, top, layer_off, L = self._tree(k, v)
         cos, sin = self._rope(q.device)
         out = torch.empty(B, T, self.num_heads, self.v_head_dim, dtype=q.dtype, device=q.device) if out is None else out
         shape = (L - 1, B, T) if return_selection and L > 1 else (1, 1, 1)
         sel = torch.empty(*shape, self.num_kv_heads, self.top_k, dtype=torch.int32, device=q.device)
-        return (q, k, v, nodes_k, nodes_v, cos, sin, layer_off, out, sel, L, int(return_selection and L > 1))
+        return (q, k, v, nodes_k, nodes_v, top, cos, sin, layer_off, out, sel, L, int(return_selection and L > 1))
 
     def __call__(self, q, k, v, return_selection=False, out=None):
         args = self.tune_args(q, k, v, return_selection, out)
         self.kernel(*args)
-        out, sel = args[8], args[9]
+        out, sel = args[9], args[10]
         if not return_selection:
             return out
         return out, list(sel.unbind(0)) if args[-1] else []
