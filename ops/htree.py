@@ -7,8 +7,9 @@ Three kernels:
   - ``htree_fwd_kernel`` does the whole top-down walk of one (b, t, kv head) row in one CTA, all layers
     fused, so the selected parents of a layer live in shared memory and never reach global memory.
 
-Per layer the CTA streams its candidates in chunks of ``block_n``: gathers their K (rotated at their
-buffer position) and scores the G query heads with the tensor cores (M = G padded to 16). Layers l > 0
+Per layer the CTA streams its candidates in chunks of ``block_n``: gathers their K into registers (all
+of a chunk's loads in flight at once), rotates it at the candidates' buffer positions into shared memory
+and scores the G query heads with the tensor cores (M = G padded to 16). Layers l > 0
 take three passes: (1) the per-head log-sum-exp (per-element partial max/sum in registers, reduced once
 per layer), (2) the packed importance keys (fp32 importance, low
 LOG_N bits = ~position) into shared memory, then the top-k threshold by a bitwise binary search over the
@@ -145,45 +146,64 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             total = total + buf[g, j]
         return total
 
+    def node_of(parents, p, n_par):
+        """Layer node of candidate p (below the top: child p % r of parent p // r)."""
+        return T.if_then_else(n_par == 0, p, parents[T.min(p >> log_r, top_k - 1)] * r + T.bitwise_and(p, r - 1))
+
+    # Chunk loads go in two loops: gathers into registers, then math and shared stores. In one loop the
+    # compiler keeps every shared-memory read of a node index behind the previous row's shared store
+    # (it cannot rule out aliasing), which serialized the chunk into one global round trip per row.
     @T.macro
-    def load_nodes(parents, node_s, c0, n, n_par):
-        """node_s[j] = layer node of candidate c0 + j (0 past the candidates)."""
-        for j in T.Parallel(block_n):
-            p = c0 + j
-            node_s[j] = T.if_then_else(
-                p < n,
-                T.if_then_else(n_par == 0, p, parents[T.min(p >> log_r, top_k - 1)] * r + T.bitwise_and(p, r - 1)),
-                0)
+    def gather_pairs(Src, rows, row_off, Cos, Sin, parents, kx, ky, kc, ks, b, h, c0, n, n_par):
+        """Pairs (i, i + K/2) of the chunk's candidate rows Src[b, row_off + node] with their RoPE table
+        entries (zero past the candidates); both halves are wide loads."""
+        for j, i in T.Parallel(block_n, half):
+            p = T.min(c0 + j, nbuf - 1)
+            row = T.min(row_off + node_of(parents, p, n_par), rows - 1)
+            ok = c0 + j < n
+            kx[j, i] = T.if_then_else(ok, Src[b, row, h, i], T.cast(0.0, dtype))
+            ky[j, i] = T.if_then_else(ok, Src[b, row, h, i + half], T.cast(0.0, dtype))
+            kc[j, i] = T.if_then_else(ok, Cos[p, i], 0.0)
+            ks[j, i] = T.if_then_else(ok, Sin[p, i], 0.0)
 
     @T.macro
-    def load_k(Kt, NodesK, TopK, Cos, Sin, node_s, k_s, k_lo, b, h, l, top, c0, off, n):
-        """K of the chunk's candidates rotated at their buffer positions (zero past the candidates).
-        The top layer's rows were rotated beforehand (contiguous, no tables); below it the gathers take
-        pairs (i, i + K/2) in one loop, so both halves are wide loads."""
+    def gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, top, c0, off, n, n_par):
+        """Raw K of the chunk's candidates into registers (zero past the candidates): the top layer's rows
+        were rotated beforehand (contiguous, no tables), below it pairs with their RoPE entries."""
         if top:
             for j, d in T.Parallel(block_n, K):
-                put(T.if_then_else(c0 + j < n, T.cast(TopK[b, h, T.min(c0 + j, NT - 1), d], "float32"), 0.0),
-                    k_s, k_lo, j, d)
+                kt[j, d] = T.if_then_else(c0 + j < n, TopK[b, h, T.min(c0 + j, NT - 1), d], T.cast(0.0, dtype))
+        elif l == 0:
+            gather_pairs(Kt, Tn, 0, Cos, Sin, parents, kx, ky, kc, ks, b, h, c0, n, n_par)
         else:
-            for j, i in T.Parallel(block_n, half):
-                p = T.min(c0 + j, nbuf - 1)
-                node = node_s[j]
-                x = T.if_then_else(l == 0, T.cast(Kt[b, T.min(node, Tn - 1), h, i], "float32"),
-                                   T.cast(NodesK[b, T.min(off + node, NN - 1), h, i], "float32"))
-                y = T.if_then_else(l == 0, T.cast(Kt[b, T.min(node, Tn - 1), h, i + half], "float32"),
-                                   T.cast(NodesK[b, T.min(off + node, NN - 1), h, i + half], "float32"))
-                put_rotated(x, y, Cos[p, i], Sin[p, i], 1.0, c0 + j < n, k_s, k_lo, j, i)
+            gather_pairs(NodesK, NN, off, Cos, Sin, parents, kx, ky, kc, ks, b, h, c0, n, n_par)
 
     @T.macro
-    def load_v(Vt, NodesV, node_s, v_s, v_lo, b, h, l, c0, off, n):
-        """V of the chunk's candidates (zero past the candidates, where probabilities are zero too)."""
+    def store_k(kt, kx, ky, kc, ks, k_s, k_lo, top):
+        """The gathered K as the mma operand, rotated at the candidates' buffer positions below the top."""
+        if top:
+            for j, d in T.Parallel(block_n, K):
+                put(T.cast(kt[j, d], "float32"), k_s, k_lo, j, d)
+        else:
+            for j, i in T.Parallel(block_n, half):
+                put_rotated(T.cast(kx[j, i], "float32"), T.cast(ky[j, i], "float32"), kc[j, i], ks[j, i], 1.0,
+                            True, k_s, k_lo, j, i)
+
+    @T.macro
+    def gather_rows(Src, rows, row_off, parents, vx, b, h, c0, n, n_par):
+        """Rows Src[b, row_off + node] of the chunk's candidates (zero past the candidates)."""
         for j, d in T.Parallel(block_n, V):
-            node = node_s[j]
-            x = T.if_then_else(c0 + j < n,
-                               T.if_then_else(l == 0, T.cast(Vt[b, T.min(node, Tn - 1), h, d], "float32"),
-                                              T.cast(NodesV[b, T.min(off + node, NN - 1), h, d], "float32")),
-                               0.0)
-            put(x, v_s, v_lo, j, d)
+            row = T.min(row_off + node_of(parents, T.min(c0 + j, nbuf - 1), n_par), rows - 1)
+            vx[j, d] = T.if_then_else(c0 + j < n, Src[b, row, h, d], T.cast(0.0, dtype))
+
+    @T.macro
+    def gather_v(Vt, NodesV, parents, vx, b, h, l, c0, off, n, n_par):
+        """Raw V of the chunk's candidates into registers (zero past the candidates, where probabilities
+        are zero too)."""
+        if l == 0:
+            gather_rows(Vt, Tn, 0, parents, vx, b, h, c0, n, n_par)
+        else:
+            gather_rows(NodesV, NN, off, parents, vx, b, h, c0, n, n_par)
 
     @T.macro
     def scores(q_s, q_lo, k_s, k_lo, acc_s, c0, n):
@@ -239,7 +259,6 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             v_s = k_s if K == V else T.alloc_shared((block_n, V), cdt)
             v_lo = k_lo if K == V else T.alloc_shared((block_n, V) if split else (1, 1), cdt)
             prob_s = T.alloc_shared((GP, block_n), "float32")
-            node_s = T.alloc_shared((block_n,), "int32")
             keys = T.alloc_shared((nbuf,), "int32")
             parents = T.alloc_shared((top_k,), "int32")
             chosen = T.alloc_shared((top_k,), "int32")
@@ -247,6 +266,13 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             total = T.alloc_shared((1,), "int32")
 
             acc_s = T.alloc_fragment((GP, block_n), "float32")
+            # one chunk's gathered K (the top layer's rotated rows, or pairs with their RoPE entries), V
+            kt = T.alloc_fragment((block_n, K), dtype)
+            kx = T.alloc_fragment((block_n, half), dtype)
+            ky = T.alloc_fragment((block_n, half), dtype)
+            kc = T.alloc_fragment((block_n, half), "float32")
+            ks = T.alloc_fragment((block_n, half), "float32")
+            vx = T.alloc_fragment((block_n, V), dtype)
             acc_o = T.alloc_fragment((GP, V), "float32")
             # per-element partial statistics, reduced once per layer instead of once per chunk
             s_part = T.alloc_fragment((GP, block_n), "float32")  # softmax sum, reference m_run
@@ -291,9 +317,9 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                     T.fill(m_part, _NEG)
                     T.fill(l_part, 0.0)
                     for c in T.serial(chunks):
-                        load_nodes(parents, node_s, c * block_n, n, n_par)
-                        load_k(Kt, NodesK, TopK, Cos, Sin, node_s, k_s, k_lo, b, h, l, l == num_layers - 1,
-                               c * block_n, off, n)
+                        gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                                 c * block_n, off, n, n_par)
+                        store_k(kt, kx, ky, kc, ks, k_s, k_lo, l == num_layers - 1)
                         scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
                         for g, j in T.Parallel(GP, block_n):
                             mx = T.max(m_part[g, j], acc_s[g, j])
@@ -309,9 +335,9 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                         lse[g] = m_new[g] + T.log2(lse[g])
                     # (2) packed importance keys
                     for c in T.serial(chunks):
-                        load_nodes(parents, node_s, c * block_n, n, n_par)
-                        load_k(Kt, NodesK, TopK, Cos, Sin, node_s, k_s, k_lo, b, h, l, l == num_layers - 1,
-                               c * block_n, off, n)
+                        gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                                 c * block_n, off, n, n_par)
+                        store_k(kt, kx, ky, kc, ks, k_s, k_lo, l == num_layers - 1)
                         scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
                         for g, j in T.Parallel(GP, block_n):
                             pr = T.exp2(acc_s[g, j] - lse[g])
@@ -377,11 +403,11 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                 # (3) merge the non-winners (layer 0: everything) into the online softmax
                 if l == 0 or n > top_k:
                     for c in T.serial(chunks):
-                        load_nodes(parents, node_s, c * block_n, n, n_par)
-                        load_k(Kt, NodesK, TopK, Cos, Sin, node_s, k_s, k_lo, b, h, l, l == num_layers - 1,
-                               c * block_n, off, n)
+                        gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                                 c * block_n, off, n, n_par)
+                        store_k(kt, kx, ky, kc, ks, k_s, k_lo, l == num_layers - 1)
+                        gather_v(Vt, NodesV, parents, vx, b, h, l, c * block_n, off, n, n_par)
                         scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
-                        load_v(Vt, NodesV, node_s, v_s, v_lo, b, h, l, c * block_n, off, n)
                         if l > 0:
                             for g, j in T.Parallel(GP, block_n):
                                 p = T.min(c * block_n + j, nbuf - 1)
@@ -395,6 +421,8 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                             acc_s[g, j] = T.if_then_else(acc_s[g, j] <= _NEG, 0.0, T.exp2(acc_s[g, j] - m_run[g]))
                             s_part[g, j] += acc_s[g, j]
                             put(acc_s[g, j], p_s, p_lo, g, j)
+                        for j, d in T.Parallel(block_n, V):
+                            put(T.cast(vx[j, d], "float32"), v_s, v_lo, j, d)
                         T.gemm(p_s, v_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
                         if split:
                             T.gemm(p_s, v_lo, acc_o, policy=T.GemmWarpPolicy.FullCol)
@@ -419,8 +447,9 @@ class HTreeForwardTileLang:
     [B,T,Hkv,top_k] int32 ascending, -1 padded. See the module docstring for the memory needed."""
 
     op_name = "htree"
-    DEFAULT_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 3}
-    # fp32 doubles the operand tiles (split-TF32): smaller chunks keep 3 CTAs per SM
+    # A chunk's gathers sit in registers (K = 128: 96 per thread at block_n = 64), so 2 CTAs per SM keep
+    # them unspilled; fp32 doubles the operand tiles (split-TF32) and takes smaller chunks, 3 CTAs per SM.
+    DEFAULT_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 2}
     FP32_DEFAULT_CONFIG = {"block_n": 32, "threads": 128, "min_blocks": 3}
     tunable_kernel = staticmethod(htree_fwd_kernel)
 
