@@ -1,9 +1,11 @@
 """htree forward (`HTreeForwardTileLang`): hierarchical tree sparse attention, see ``golden.htree``.
 
-Three kernels:
+Four kernels:
   - ``htree_pool_kernel`` builds one tree layer (mean of each node's existing children), once per layer;
   - ``htree_rope_kernel`` rotates the top layer's K once (its candidates are the same nodes at the same
     buffer positions for every query), so the walk reads them as contiguous rows without RoPE tables;
+  - ``htree_top_lse_kernel`` computes every query head's softmax reference (log-sum-exp) over the top
+    layer as a GEMM over blocks of queries, since they all score the same top-layer rows;
   - ``htree_fwd_kernel`` does the whole top-down walk of one (b, t, kv head) row in one CTA, all layers
     fused, so the selected parents of a layer live in shared memory and never reach global memory.
 
@@ -11,9 +13,9 @@ Per layer the CTA streams its candidates in chunks of ``block_n``: gathers their
 of a chunk's loads in flight at once), rotates it at the candidates' buffer positions into shared memory
 and scores the G query heads with the tensor cores (M = G padded to 16). Layers l > 0
 take three passes: (1) the per-head log-sum-exp (per-element partial max/sum in registers, reduced once
-per layer), (2) the packed importance keys (fp32 importance, low
-LOG_N bits = ~position) into shared memory, then the top-k threshold by a bitwise binary search over the
-keys (they are distinct, so exactly top_k keys reach it) and an order-preserving compaction of the
+per layer; the top layer's comes from ``htree_top_lse_kernel``), (2) the packed importance keys (fp32
+importance, low LOG_N bits = ~position) into shared memory, then the top-k threshold by a bitwise binary
+search over the keys (they are distinct, so exactly top_k keys reach it) and an order-preserving compaction of the
 winners into the next layer's parents (candidate buffers are in ascending node order, so the parents
 stay sorted); (3) the non-winners merged into the per-head online softmax with V, against one reference
 per layer (lse bounds every score, so no per-chunk maximum). Layer 0 merges all with a running maximum.
@@ -24,8 +26,8 @@ an fp32 reference; fp16/bf16 inputs use one 16-bit product with fp32 accumulatio
 
 Memory: the tree above layer 0, sum_{l>=1} N_l ~ T / (r - 1) nodes of K and V per (batch, kv head) in
 the input dtype, the rotated top layer (<= max_top_nodes rows of K per (batch, kv head)), plus RoPE
-tables of max(max_top_nodes, top_k * r) x K/2 fp32 pairs. No workspace grows
-with T beyond that; the output and, on request, the selections [L-1, B, T, Hkv, top_k] int32.
+tables of max(max_top_nodes, top_k * r) x K/2 fp32 pairs, and the top layer's lse [B, T, H] fp32. Nothing
+scales with T x candidates; the output and, on request, the selections [L-1, B, T, Hkv, top_k] int32.
 """
 
 import math
@@ -75,6 +77,50 @@ def htree_pool_kernel(num_kv_heads: int, head_dim: int, v_head_dim: int, compres
     return htree_pool
 
 
+def _operand_stores(dtype: str, half: int):
+    """Macros storing fp32 values as mma operands of ``dtype`` (fp32: split-TF32 halves in two tiles):
+    put(x, dst, dst_lo, i, j), and put_rotated for a RoPE pair (i, i + half)."""
+    split = dtype == "float32"
+
+    @T.macro
+    def put(x, dst, dst_lo, i, j):
+        if split:  # the TF32-exact high part and the fp32 remainder
+            hi = T.reinterpret(T.bitwise_and(T.reinterpret(x, "int32"), T.int32(-8192)), "float32")
+            dst[i, j] = hi
+            dst_lo[i, j] = x - hi
+        else:
+            dst[i, j] = T.cast(x, dtype)
+
+    @T.macro
+    def put_rotated(x, y, cos, sin, mul, ok, dst, dst_lo, row, i):
+        """dst[row, i], dst[row, i + half] = mul * rotate-half RoPE of the pair (x, y); 0 unless ok."""
+        lo = T.if_then_else(ok, mul * (x * cos - y * sin), 0.0)
+        hi = T.if_then_else(ok, mul * (x * sin + y * cos), 0.0)
+        put(lo, dst, dst_lo, row, i)
+        put(hi, dst, dst_lo, row, i + half)
+
+    return put, put_rotated
+
+
+@T.macro
+def _lse_update(m_part, l_part, i, j, s):
+    """Fold score s (log2 domain, <= _NEG: none) into the per-element partial max / sum of exp2."""
+    mx = T.max(m_part[i, j], s)
+    l_part[i, j] = T.if_then_else(s <= _NEG, l_part[i, j], l_part[i, j] * T.exp2(m_part[i, j] - mx) + T.exp2(s - mx))
+    m_part[i, j] = mx
+
+
+@T.macro
+def _lse_finish(m_part, l_part, m_row, lse):
+    """lse[i] = log2 sum_j of the partials of row i (l_part is consumed)."""
+    T.reduce_max(m_part, m_row, dim=1, clear=True)
+    for i, j in T.Parallel(m_part.shape[0], m_part.shape[1]):
+        l_part[i, j] *= T.exp2(m_part[i, j] - m_row[i])
+    T.reduce_sum(l_part, lse, dim=1, clear=True)
+    for i in T.Parallel(m_part.shape[0]):
+        lse[i] = m_row[i] + T.log2(lse[i])
+
+
 def htree_rope_kernel(num_kv_heads: int, head_dim: int, dtype: str, block_i: int = 32, threads: int = 128):
     """Dst[b, h, i] = Src[b, src_off + i, h] rotated at position i: the top layer's candidates are the
     same nodes at the same buffer positions for every query, so they are rotated once, not per query."""
@@ -97,6 +143,71 @@ def htree_rope_kernel(num_kv_heads: int, head_dim: int, dtype: str, block_i: int
     return htree_rope
 
 
+def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: str,
+                         block_m: int = 64, block_n: int = 64, threads: int = 128):
+    """Lse[b, t, h]: log2-domain log-sum-exp of query head h's scores over the top layer (for L > 1).
+    Every query scores the same rotated top-layer rows (nodes 0 .. t >> top_shift), so one CTA takes
+    block_m // G queries of one kv head (rows (t, g)) and shares each K tile among them in one GEMM,
+    instead of every query streaming the top layer once more for its softmax reference."""
+    H, Hkv, K = num_heads, num_kv_heads, head_dim
+    G = H // Hkv
+    bt = block_m // G  # queries per CTA
+    half = K // 2
+    split = dtype == "float32"
+    q_scale = scale * _LOG2E
+    put, put_rotated = _operand_stores(dtype, half)
+    B, Tn, NT, NC = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC")
+
+    @T.prim_func
+    def htree_top_lse(Q: T.Tensor((B, Tn, H, K), dtype), TopK: T.Tensor((B, Hkv, NT, K), dtype),
+                      Cos: T.Tensor((NC, half), "float32"), Sin: T.Tensor((NC, half), "float32"),
+                      Lse: T.Tensor((B, Tn, H), "float32"), top_shift: T.int32):
+        with T.Kernel(T.ceildiv(Tn, bt), Hkv, B, threads=threads) as (bx, h, b):
+            q_s = T.alloc_shared((block_m, K), dtype)
+            q_lo = T.alloc_shared((block_m, K) if split else (1, 1), dtype)
+            k_s = T.alloc_shared((block_n, K), dtype)
+            k_lo = T.alloc_shared((block_n, K) if split else (1, 1), dtype)
+            kt = T.alloc_fragment((block_n, K), dtype)
+            acc_s = T.alloc_fragment((block_m, block_n), "float32")
+            m_part = T.alloc_fragment((block_m, block_n), "float32")
+            l_part = T.alloc_fragment((block_m, block_n), "float32")
+            m_row = T.alloc_fragment((block_m,), "float32")
+            lse = T.alloc_fragment((block_m,), "float32")
+            t0 = bx * bt
+            n_max = (T.min(t0 + bt - 1, Tn - 1) >> top_shift) + 1  # the CTA's last query sees the most nodes
+
+            # row m: query t0 + m // G, head m % G, rotated at its candidate-local position n - 1
+            for m, i in T.Parallel(block_m, half):
+                tq = T.min(t0 + m // G, Tn - 1)
+                ok = T.And(m < bt * G, t0 + m // G < Tn)
+                x = T.if_then_else(ok, T.cast(Q[b, tq, h * G + m % G, i], "float32"), 0.0)
+                y = T.if_then_else(ok, T.cast(Q[b, tq, h * G + m % G, i + half], "float32"), 0.0)
+                put_rotated(x, y, Cos[tq >> top_shift, i], Sin[tq >> top_shift, i], q_scale, True, q_s, q_lo, m, i)
+            T.fill(m_part, _NEG)
+            T.fill(l_part, 0.0)
+            for c in T.serial(T.ceildiv(n_max, block_n)):
+                for j, d in T.Parallel(block_n, K):
+                    kt[j, d] = T.if_then_else(c * block_n + j < n_max,
+                                              TopK[b, h, T.min(c * block_n + j, NT - 1), d], T.cast(0.0, dtype))
+                for j, d in T.Parallel(block_n, K):
+                    put(T.cast(kt[j, d], "float32"), k_s, k_lo, j, d)
+                T.clear(acc_s)
+                T.gemm(q_s, k_s, acc_s, transpose_B=True)
+                if split:
+                    T.gemm(q_s, k_lo, acc_s, transpose_B=True)
+                    T.gemm(q_lo, k_s, acc_s, transpose_B=True)
+                for m, j in T.Parallel(block_m, block_n):
+                    _lse_update(m_part, l_part, m, j,
+                                T.if_then_else(c * block_n + j <= (T.min(t0 + m // G, Tn - 1) >> top_shift),
+                                               acc_s[m, j], _NEG))
+            _lse_finish(m_part, l_part, m_row, lse)
+            for m in T.Parallel(block_m):
+                if T.And(m < bt * G, t0 + m // G < Tn):
+                    Lse[b, t0 + m // G, h * G + m % G] = lse[m]
+
+    return htree_top_lse
+
+
 def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
                      compression_rate: int, top_k: int, max_top_nodes: int, scale: float, dtype: str,
                      block_n: int = 64, threads: int = 128, min_blocks: int = 3):
@@ -116,28 +227,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     SL, SB, ST = T.dynamic("SL"), T.dynamic("SB"), T.dynamic("ST")
     rightmost_key = struct.unpack("<i", struct.pack("<f", RIGHTMOST_IMPORTANCE))[0]
 
-    @T.macro
-    def hi_lo(x, hi_buf, lo_buf, i, j):
-        """Store x (fp32) as its TF32-exact high part and the fp32 remainder."""
-        hi = T.reinterpret(T.bitwise_and(T.reinterpret(x, "int32"), T.int32(-8192)), "float32")
-        hi_buf[i, j] = hi
-        lo_buf[i, j] = x - hi
-
-    @T.macro
-    def put(x, dst, dst_lo, i, j):
-        """Store x (fp32) as an mma operand: split-TF32 halves, or the input dtype."""
-        if split:
-            hi_lo(x, dst, dst_lo, i, j)
-        else:
-            dst[i, j] = T.cast(x, cdt)
-
-    @T.macro
-    def put_rotated(x, y, cos, sin, mul, ok, dst, dst_lo, row, i):
-        """dst[row, i], dst[row, i + K/2] = mul * rotate-half RoPE of the pair (x, y); 0 unless ok."""
-        lo = T.if_then_else(ok, mul * (x * cos - y * sin), 0.0)
-        hi = T.if_then_else(ok, mul * (x * sin + y * cos), 0.0)
-        put(lo, dst, dst_lo, row, i)
-        put(hi, dst, dst_lo, row, i + half)
+    put, put_rotated = _operand_stores(dtype, half)
 
     def head_sum(buf, j):
         """sum_g buf[g, j] over the G real heads, in head order like the golden."""
@@ -234,6 +324,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
         NodesK: T.Tensor((B, NN, Hkv, K), dtype),
         NodesV: T.Tensor((B, NN, Hkv, V), dtype),
         TopK: T.Tensor((B, Hkv, NT, K), dtype),
+        TopLse: T.Tensor((B, Tn, H), "float32"),
         Cos: T.Tensor((nbuf, half), "float32"),
         Sin: T.Tensor((nbuf, half), "float32"),
         LayerOff: T.Tensor((_MAX_LAYERS,), "int32"),
@@ -312,7 +403,10 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                     put_rotated(x, y, Cos[n - 1, i], Sin[n - 1, i], q_scale, True, q_s, q_lo, g, i)
                 chunks = T.ceildiv(n, block_n)
                 thr = 0
-                if l > 0:
+                if l == num_layers - 1 and l > 0:  # the top layer's lse: htree_top_lse_kernel
+                    for g in T.Parallel(GP):
+                        lse[g] = T.if_then_else(g < G, TopLse[b, t, h * G + T.min(g, G - 1)], 0.0)
+                elif l > 0:
                     # (1) per-head log-sum-exp over all candidates
                     T.fill(m_part, _NEG)
                     T.fill(l_part, 0.0)
@@ -322,17 +416,9 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                         store_k(kt, kx, ky, kc, ks, k_s, k_lo, l == num_layers - 1)
                         scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
                         for g, j in T.Parallel(GP, block_n):
-                            mx = T.max(m_part[g, j], acc_s[g, j])
-                            l_part[g, j] = T.if_then_else(
-                                acc_s[g, j] <= _NEG, l_part[g, j],
-                                l_part[g, j] * T.exp2(m_part[g, j] - mx) + T.exp2(acc_s[g, j] - mx))
-                            m_part[g, j] = mx
-                    T.reduce_max(m_part, m_new, dim=1, clear=True)
-                    for g, j in T.Parallel(GP, block_n):
-                        l_part[g, j] *= T.exp2(m_part[g, j] - m_new[g])
-                    T.reduce_sum(l_part, lse, dim=1, clear=True)
-                    for g in T.Parallel(GP):
-                        lse[g] = m_new[g] + T.log2(lse[g])
+                            _lse_update(m_part, l_part, g, j, acc_s[g, j])
+                    _lse_finish(m_part, l_part, m_new, lse)
+                if l > 0:
                     # (2) packed importance keys
                     for c in T.serial(chunks):
                         gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
@@ -494,6 +580,8 @@ class HTreeForwardTileLang:
         self.pool = compile_kernel(htree_pool_kernel(num_kv_heads, head_dim, v_head_dim, compression_rate,
                                                      _DTYPES[dtype]))
         self.rope = compile_kernel(htree_rope_kernel(num_kv_heads, head_dim, _DTYPES[dtype]))
+        self.top_lse = compile_kernel(htree_top_lse_kernel(num_heads, num_kv_heads, head_dim, self.scale,
+                                                           _DTYPES[dtype]))
         self.kernel = compile_kernel(htree_fwd_kernel(**self.spec, **self.config))
         self._tables = {}
 
@@ -542,15 +630,19 @@ class HTreeForwardTileLang:
         B, T = q.shape[:2]
         nodes_k, nodes_v, top, layer_off, L = self._tree(k, v)
         cos, sin = self._rope(q.device)
+        top_lse = torch.empty(B, T, self.num_heads, dtype=torch.float32, device=q.device)
+        if L > 1:
+            self.top_lse(q, top, cos, sin, top_lse, (L - 1) * int(math.log2(self.compression_rate)))
         out = torch.empty(B, T, self.num_heads, self.v_head_dim, dtype=q.dtype, device=q.device) if out is None else out
         shape = (L - 1, B, T) if return_selection and L > 1 else (1, 1, 1)
         sel = torch.empty(*shape, self.num_kv_heads, self.top_k, dtype=torch.int32, device=q.device)
-        return (q, k, v, nodes_k, nodes_v, top, cos, sin, layer_off, out, sel, L, int(return_selection and L > 1))
+        return (q, k, v, nodes_k, nodes_v, top, top_lse, cos, sin, layer_off, out, sel, L,
+                int(return_selection and L > 1))
 
     def __call__(self, q, k, v, return_selection=False, out=None):
         args = self.tune_args(q, k, v, return_selection, out)
         self.kernel(*args)
-        out, sel = args[9], args[10]
+        out, sel = args[10], args[11]
         if not return_selection:
             return out
         return out, list(sel.unbind(0)) if args[-1] else []
