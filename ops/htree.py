@@ -533,10 +533,10 @@ class HTreeForwardTileLang:
     [B,T,Hkv,top_k] int32 ascending, -1 padded. See the module docstring for the memory needed."""
 
     op_name = "htree"
-    # A chunk's gathers sit in registers (K = 128: 96 per thread at block_n = 64), so 2 CTAs per SM keep
-    # them unspilled; fp32 doubles the operand tiles (split-TF32) and takes smaller chunks, 3 CTAs per SM.
+    # A chunk's gathers sit in registers (96 per thread at K = 128, bf16, block_n = 64), so 2 CTAs per SM
+    # keep them unspilled; at K = 32 (fp32: ~32 registers, 72 KB of shared memory) 3 CTAs per SM fit.
     DEFAULT_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 2}
-    FP32_DEFAULT_CONFIG = {"block_n": 32, "threads": 128, "min_blocks": 3}
+    SMALL_HEAD_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 3}  # head_dim <= 32
     tunable_kernel = staticmethod(htree_fwd_kernel)
 
     @staticmethod
@@ -575,7 +575,7 @@ class HTreeForwardTileLang:
         self.spec = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                      "v_head_dim": v_head_dim, "compression_rate": compression_rate, "top_k": top_k_per_layer,
                      "max_top_nodes": max_top_nodes, "scale": self.scale, "dtype": _DTYPES[dtype]}
-        default = self.FP32_DEFAULT_CONFIG if dtype == torch.float32 else self.DEFAULT_CONFIG
+        default = self.SMALL_HEAD_CONFIG if head_dim <= 32 else self.DEFAULT_CONFIG
         self.config = resolve_config(self.op_name, self.spec, config, default)
         self.pool = compile_kernel(htree_pool_kernel(num_kv_heads, head_dim, v_head_dim, compression_rate,
                                                      _DTYPES[dtype]))
