@@ -10,7 +10,8 @@ Four kernels:
     fused, so the selected parents of a layer live in shared memory and never reach global memory.
 
 Per layer the CTA streams its candidates in chunks of ``block_n``: gathers their K into registers (all
-of a chunk's loads in flight at once), rotates it at the candidates' buffer positions into shared memory
+of a chunk's loads in flight at once, issued one chunk ahead so they overlap the previous chunk's math),
+rotates it at the candidates' buffer positions into shared memory
 and scores the G query heads with the tensor cores (M = G padded to 16). Layers l > 0
 take three passes: (1) the per-head log-sum-exp (per-element partial max/sum in registers, reduced once
 per layer; the top layer's comes from ``htree_top_lse_kernel``), (2) the packed importance keys (fp32
@@ -410,20 +411,26 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                     # (1) per-head log-sum-exp over all candidates
                     T.fill(m_part, _NEG)
                     T.fill(l_part, 0.0)
+                    gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                             0, off, n, n_par)
                     for c in T.serial(chunks):
-                        gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
-                                 c * block_n, off, n, n_par)
                         store_k(kt, kx, ky, kc, ks, k_s, k_lo, l == num_layers - 1)
+                        # the next chunk's loads fly during this chunk's math (past the last: none)
+                        gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                                 (c + 1) * block_n, off, n, n_par)
                         scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
                         for g, j in T.Parallel(GP, block_n):
                             _lse_update(m_part, l_part, g, j, acc_s[g, j])
                     _lse_finish(m_part, l_part, m_new, lse)
                 if l > 0:
                     # (2) packed importance keys
+                    gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                             0, off, n, n_par)
                     for c in T.serial(chunks):
-                        gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
-                                 c * block_n, off, n, n_par)
                         store_k(kt, kx, ky, kc, ks, k_s, k_lo, l == num_layers - 1)
+                        # the next chunk's loads fly during this chunk's math (past the last: none)
+                        gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                                 (c + 1) * block_n, off, n, n_par)
                         scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
                         for g, j in T.Parallel(GP, block_n):
                             pr = T.exp2(acc_s[g, j] - lse[g])
@@ -488,11 +495,14 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                     rescale(acc_o, s_part, m_run, m_new)
                 # (3) merge the non-winners (layer 0: everything) into the online softmax
                 if l == 0 or n > top_k:
+                    gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                             0, off, n, n_par)
                     for c in T.serial(chunks):
-                        gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
-                                 c * block_n, off, n, n_par)
                         store_k(kt, kx, ky, kc, ks, k_s, k_lo, l == num_layers - 1)
+                        # this chunk's V and the next chunk's K fly during the scores (past the last: none)
                         gather_v(Vt, NodesV, parents, vx, b, h, l, c * block_n, off, n, n_par)
+                        gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                                 (c + 1) * block_n, off, n, n_par)
                         scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
                         if l > 0:
                             for g, j in T.Parallel(GP, block_n):
@@ -533,8 +543,8 @@ class HTreeForwardTileLang:
     [B,T,Hkv,top_k] int32 ascending, -1 padded. See the module docstring for the memory needed."""
 
     op_name = "htree"
-    # A chunk's gathers sit in registers (96 per thread at K = 128, bf16, block_n = 64), so 2 CTAs per SM
-    # keep them unspilled; at K = 32 (fp32: ~32 registers, 72 KB of shared memory) 3 CTAs per SM fit.
+    # A chunk's gathers sit in registers (96 per thread at K = 128, bf16, block_n = 64), so K = 128 takes
+    # 2 CTAs per SM; at K = 32 (fp32: ~32 registers, 72 KB of shared memory) 3 CTAs per SM fit.
     DEFAULT_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 2}
     SMALL_HEAD_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 3}  # head_dim <= 32
     tunable_kernel = staticmethod(htree_fwd_kernel)
