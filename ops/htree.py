@@ -1,16 +1,22 @@
 """htree forward (`HTreeForwardTileLang`): hierarchical tree sparse attention, see ``golden.htree``.
 
-Two kernels:
+Four kernels:
   - ``htree_pool_kernel`` builds one tree layer (mean of each node's existing children), once per layer;
+  - ``htree_rope_kernel`` rotates the top layer's K once (its candidates are the same nodes at the same
+    buffer positions for every query), so the walk reads them as contiguous rows without RoPE tables;
+  - ``htree_top_lse_kernel`` computes every query head's softmax reference (log-sum-exp) over the top
+    layer as a GEMM over blocks of queries, since they all score the same top-layer rows;
   - ``htree_fwd_kernel`` does the whole top-down walk of one (b, t, kv head) row in one CTA, all layers
     fused, so the selected parents of a layer live in shared memory and never reach global memory.
 
-Per layer the CTA streams its candidates in chunks of ``block_n``: gathers their K (rotated at their
-buffer position) and scores the G query heads with the tensor cores (M = G padded to 16). Layers l > 0
+Per layer the CTA streams its candidates in chunks of ``block_n``: gathers their K into registers (all
+of a chunk's loads in flight at once, issued one chunk ahead so they overlap the previous chunk's math),
+rotates it at the candidates' buffer positions into shared memory
+and scores the G query heads with the tensor cores (M = G padded to 16). Layers l > 0
 take three passes: (1) the per-head log-sum-exp (per-element partial max/sum in registers, reduced once
-per layer), (2) the packed importance keys (fp32 importance, low
-LOG_N bits = ~position) into shared memory, then the top-k threshold by a bitwise binary search over the
-keys (they are distinct, so exactly top_k keys reach it) and an order-preserving compaction of the
+per layer; the top layer's comes from ``htree_top_lse_kernel``), (2) the packed importance keys (fp32
+importance, low LOG_N bits = ~position) into shared memory, then the top-k threshold by a bitwise binary
+search over the keys (they are distinct, so exactly top_k keys reach it) and an order-preserving compaction of the
 winners into the next layer's parents (candidate buffers are in ascending node order, so the parents
 stay sorted); (3) the non-winners merged into the per-head online softmax with V, against one reference
 per layer (lse bounds every score, so no per-chunk maximum). Layer 0 merges all with a running maximum.
@@ -20,8 +26,9 @@ fp32 inputs use split-TF32 products (hi*hi + hi*lo + lo*hi), close to fp32 accur
 an fp32 reference; fp16/bf16 inputs use one 16-bit product with fp32 accumulation.
 
 Memory: the tree above layer 0, sum_{l>=1} N_l ~ T / (r - 1) nodes of K and V per (batch, kv head) in
-the input dtype, plus RoPE tables of max(max_top_nodes, top_k * r) x K/2 fp32 pairs. No workspace grows
-with T beyond that; the output and, on request, the selections [L-1, B, T, Hkv, top_k] int32.
+the input dtype, the rotated top layer (<= max_top_nodes rows of K per (batch, kv head)), plus RoPE
+tables of max(max_top_nodes, top_k * r) x K/2 fp32 pairs, and the top layer's lse [B, T, H] fp32. Nothing
+scales with T x candidates; the output and, on request, the selections [L-1, B, T, Hkv, top_k] int32.
 """
 
 import math
@@ -71,9 +78,140 @@ def htree_pool_kernel(num_kv_heads: int, head_dim: int, v_head_dim: int, compres
     return htree_pool
 
 
+def _operand_stores(dtype: str, half: int):
+    """Macros storing fp32 values as mma operands of ``dtype`` (fp32: split-TF32 halves in two tiles):
+    put(x, dst, dst_lo, i, j), and put_rotated for a RoPE pair (i, i + half)."""
+    split = dtype == "float32"
+
+    @T.macro
+    def put(x, dst, dst_lo, i, j):
+        if split:  # the TF32-exact high part and the fp32 remainder
+            hi = T.reinterpret(T.bitwise_and(T.reinterpret(x, "int32"), T.int32(-8192)), "float32")
+            dst[i, j] = hi
+            dst_lo[i, j] = x - hi
+        else:
+            dst[i, j] = T.cast(x, dtype)
+
+    @T.macro
+    def put_rotated(x, y, cos, sin, mul, ok, dst, dst_lo, row, i):
+        """dst[row, i], dst[row, i + half] = mul * rotate-half RoPE of the pair (x, y); 0 unless ok."""
+        lo = T.if_then_else(ok, mul * (x * cos - y * sin), 0.0)
+        hi = T.if_then_else(ok, mul * (x * sin + y * cos), 0.0)
+        put(lo, dst, dst_lo, row, i)
+        put(hi, dst, dst_lo, row, i + half)
+
+    return put, put_rotated
+
+
+@T.macro
+def _lse_update(m_part, l_part, i, j, s):
+    """Fold score s (log2 domain, <= _NEG: none) into the per-element partial max / sum of exp2."""
+    mx = T.max(m_part[i, j], s)
+    l_part[i, j] = T.if_then_else(s <= _NEG, l_part[i, j], l_part[i, j] * T.exp2(m_part[i, j] - mx) + T.exp2(s - mx))
+    m_part[i, j] = mx
+
+
+@T.macro
+def _lse_finish(m_part, l_part, m_row, lse):
+    """lse[i] = log2 sum_j of the partials of row i (l_part is consumed)."""
+    T.reduce_max(m_part, m_row, dim=1, clear=True)
+    for i, j in T.Parallel(m_part.shape[0], m_part.shape[1]):
+        l_part[i, j] *= T.exp2(m_part[i, j] - m_row[i])
+    T.reduce_sum(l_part, lse, dim=1, clear=True)
+    for i in T.Parallel(m_part.shape[0]):
+        lse[i] = m_row[i] + T.log2(lse[i])
+
+
+def htree_rope_kernel(num_kv_heads: int, head_dim: int, dtype: str, block_i: int = 32, threads: int = 128):
+    """Dst[b, h, i] = Src[b, src_off + i, h] rotated at position i: the top layer's candidates are the
+    same nodes at the same buffer positions for every query, so they are rotated once, not per query."""
+    H, K = num_kv_heads, head_dim
+    half = K // 2
+    B, NS, NT, NC = T.dynamic("B"), T.dynamic("NS"), T.dynamic("NT"), T.dynamic("NC")
+
+    @T.prim_func
+    def htree_rope(Src: T.Tensor((B, NS, H, K), dtype), Cos: T.Tensor((NC, half), "float32"),
+                   Sin: T.Tensor((NC, half), "float32"), Dst: T.Tensor((B, H, NT, K), dtype), src_off: T.int32):
+        with T.Kernel(T.ceildiv(NT, block_i), H, B, threads=threads) as (bi, h, b):
+            for i, d in T.Parallel(block_i, half):
+                node = bi * block_i + i
+                if node < NT:
+                    x = T.cast(Src[b, src_off + node, h, d], "float32")
+                    y = T.cast(Src[b, src_off + node, h, d + half], "float32")
+                    Dst[b, h, node, d] = T.cast(x * Cos[node, d] - y * Sin[node, d], dtype)
+                    Dst[b, h, node, d + half] = T.cast(x * Sin[node, d] + y * Cos[node, d], dtype)
+
+    return htree_rope
+
+
+def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: str,
+                         block_m: int = 64, block_n: int = 64, threads: int = 128):
+    """Lse[b, t, h]: log2-domain log-sum-exp of query head h's scores over the top layer (for L > 1).
+    Every query scores the same rotated top-layer rows (nodes 0 .. t >> top_shift), so one CTA takes
+    block_m // G queries of one kv head (rows (t, g)) and shares each K tile among them in one GEMM,
+    instead of every query streaming the top layer once more for its softmax reference."""
+    H, Hkv, K = num_heads, num_kv_heads, head_dim
+    G = H // Hkv
+    bt = block_m // G  # queries per CTA
+    half = K // 2
+    split = dtype == "float32"
+    q_scale = scale * _LOG2E
+    put, put_rotated = _operand_stores(dtype, half)
+    B, Tn, NT, NC = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC")
+
+    @T.prim_func
+    def htree_top_lse(Q: T.Tensor((B, Tn, H, K), dtype), TopK: T.Tensor((B, Hkv, NT, K), dtype),
+                      Cos: T.Tensor((NC, half), "float32"), Sin: T.Tensor((NC, half), "float32"),
+                      Lse: T.Tensor((B, Tn, H), "float32"), top_shift: T.int32):
+        with T.Kernel(T.ceildiv(Tn, bt), Hkv, B, threads=threads) as (bx, h, b):
+            q_s = T.alloc_shared((block_m, K), dtype)
+            q_lo = T.alloc_shared((block_m, K) if split else (1, 1), dtype)
+            k_s = T.alloc_shared((block_n, K), dtype)
+            k_lo = T.alloc_shared((block_n, K) if split else (1, 1), dtype)
+            kt = T.alloc_fragment((block_n, K), dtype)
+            acc_s = T.alloc_fragment((block_m, block_n), "float32")
+            m_part = T.alloc_fragment((block_m, block_n), "float32")
+            l_part = T.alloc_fragment((block_m, block_n), "float32")
+            m_row = T.alloc_fragment((block_m,), "float32")
+            lse = T.alloc_fragment((block_m,), "float32")
+            t0 = bx * bt
+            n_max = (T.min(t0 + bt - 1, Tn - 1) >> top_shift) + 1  # the CTA's last query sees the most nodes
+
+            # row m: query t0 + m // G, head m % G, rotated at its candidate-local position n - 1
+            for m, i in T.Parallel(block_m, half):
+                tq = T.min(t0 + m // G, Tn - 1)
+                ok = T.And(m < bt * G, t0 + m // G < Tn)
+                x = T.if_then_else(ok, T.cast(Q[b, tq, h * G + m % G, i], "float32"), 0.0)
+                y = T.if_then_else(ok, T.cast(Q[b, tq, h * G + m % G, i + half], "float32"), 0.0)
+                put_rotated(x, y, Cos[tq >> top_shift, i], Sin[tq >> top_shift, i], q_scale, True, q_s, q_lo, m, i)
+            T.fill(m_part, _NEG)
+            T.fill(l_part, 0.0)
+            for c in T.serial(T.ceildiv(n_max, block_n)):
+                for j, d in T.Parallel(block_n, K):
+                    kt[j, d] = T.if_then_else(c * block_n + j < n_max,
+                                              TopK[b, h, T.min(c * block_n + j, NT - 1), d], T.cast(0.0, dtype))
+                for j, d in T.Parallel(block_n, K):
+                    put(T.cast(kt[j, d], "float32"), k_s, k_lo, j, d)
+                T.clear(acc_s)
+                T.gemm(q_s, k_s, acc_s, transpose_B=True)
+                if split:
+                    T.gemm(q_s, k_lo, acc_s, transpose_B=True)
+                    T.gemm(q_lo, k_s, acc_s, transpose_B=True)
+                for m, j in T.Parallel(block_m, block_n):
+                    _lse_update(m_part, l_part, m, j,
+                                T.if_then_else(c * block_n + j <= (T.min(t0 + m // G, Tn - 1) >> top_shift),
+                                               acc_s[m, j], _NEG))
+            _lse_finish(m_part, l_part, m_row, lse)
+            for m in T.Parallel(block_m):
+                if T.And(m < bt * G, t0 + m // G < Tn):
+                    Lse[b, t0 + m // G, h * G + m % G] = lse[m]
+
+    return htree_top_lse
+
+
 def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
                      compression_rate: int, top_k: int, max_top_nodes: int, scale: float, dtype: str,
-                     block_n: int = 64, threads: int = 128):
+                     block_n: int = 64, threads: int = 128, min_blocks: int = 3):
     H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
     G = H // Hkv
     GP = max(16, G)  # tensor-core M
@@ -86,16 +224,11 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     cdt = dtype
     q_scale = scale * _LOG2E  # scores in the log2 domain
     seg = -(-nbuf // threads)  # keys per thread in the compaction
-    B, Tn, NN = T.dynamic("B"), T.dynamic("T"), T.dynamic("NN")
+    B, Tn, NN, NT = T.dynamic("B"), T.dynamic("T"), T.dynamic("NN"), T.dynamic("NT")
     SL, SB, ST = T.dynamic("SL"), T.dynamic("SB"), T.dynamic("ST")
     rightmost_key = struct.unpack("<i", struct.pack("<f", RIGHTMOST_IMPORTANCE))[0]
 
-    @T.macro
-    def hi_lo(x, hi_buf, lo_buf, i, j):
-        """Store x (fp32) as its TF32-exact high part and the fp32 remainder."""
-        hi = T.reinterpret(T.bitwise_and(T.reinterpret(x, "int32"), T.int32(-8192)), "float32")
-        hi_buf[i, j] = hi
-        lo_buf[i, j] = x - hi
+    put, put_rotated = _operand_stores(dtype, half)
 
     def head_sum(buf, j):
         """sum_g buf[g, j] over the G real heads, in head order like the golden."""
@@ -104,50 +237,64 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             total = total + buf[g, j]
         return total
 
-    @T.macro
-    def load_nodes(parents, node_s, c0, n, n_par):
-        """node_s[j] = layer node of candidate c0 + j (0 past the candidates)."""
-        for j in T.Parallel(block_n):
-            p = c0 + j
-            node_s[j] = T.if_then_else(
-                p < n,
-                T.if_then_else(n_par == 0, p, parents[T.min(p >> log_r, top_k - 1)] * r + T.bitwise_and(p, r - 1)),
-                0)
+    def node_of(parents, p, n_par):
+        """Layer node of candidate p (below the top: child p % r of parent p // r)."""
+        return T.if_then_else(n_par == 0, p, parents[T.min(p >> log_r, top_k - 1)] * r + T.bitwise_and(p, r - 1))
 
+    # Chunk loads go in two loops: gathers into registers, then math and shared stores. In one loop the
+    # compiler keeps every shared-memory read of a node index behind the previous row's shared store
+    # (it cannot rule out aliasing), which serialized the chunk into one global round trip per row.
     @T.macro
-    def load_k(Kt, NodesK, Cos, Sin, node_s, k_s, k_lo, b, h, l, c0, off, n):
-        """K of the chunk's candidates rotated at their buffer positions (zero past the candidates):
-        pairs (i, i + K/2) in one loop, so the gathers of both halves are wide loads."""
+    def gather_pairs(Src, rows, row_off, Cos, Sin, parents, kx, ky, kc, ks, b, h, c0, n, n_par):
+        """Pairs (i, i + K/2) of the chunk's candidate rows Src[b, row_off + node] with their RoPE table
+        entries (zero past the candidates); both halves are wide loads."""
         for j, i in T.Parallel(block_n, half):
             p = T.min(c0 + j, nbuf - 1)
-            node = node_s[j]
-            x = T.if_then_else(l == 0, T.cast(Kt[b, T.min(node, Tn - 1), h, i], "float32"),
-                               T.cast(NodesK[b, T.min(off + node, NN - 1), h, i], "float32"))
-            y = T.if_then_else(l == 0, T.cast(Kt[b, T.min(node, Tn - 1), h, i + half], "float32"),
-                               T.cast(NodesK[b, T.min(off + node, NN - 1), h, i + half], "float32"))
+            row = T.min(row_off + node_of(parents, p, n_par), rows - 1)
             ok = c0 + j < n
-            lo = T.if_then_else(ok, x * Cos[p, i] - y * Sin[p, i], 0.0)
-            hi = T.if_then_else(ok, x * Sin[p, i] + y * Cos[p, i], 0.0)
-            if split:
-                hi_lo(lo, k_s, k_lo, j, i)
-                hi_lo(hi, k_s, k_lo, j, i + half)
-            else:
-                k_s[j, i] = T.cast(lo, cdt)
-                k_s[j, i + half] = T.cast(hi, cdt)
+            kx[j, i] = T.if_then_else(ok, Src[b, row, h, i], T.cast(0.0, dtype))
+            ky[j, i] = T.if_then_else(ok, Src[b, row, h, i + half], T.cast(0.0, dtype))
+            kc[j, i] = T.if_then_else(ok, Cos[p, i], 0.0)
+            ks[j, i] = T.if_then_else(ok, Sin[p, i], 0.0)
 
     @T.macro
-    def load_v(Vt, NodesV, node_s, v_s, v_lo, b, h, l, c0, off, n):
-        """V of the chunk's candidates (zero past the candidates, where probabilities are zero too)."""
+    def gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, top, c0, off, n, n_par):
+        """Raw K of the chunk's candidates into registers (zero past the candidates): the top layer's rows
+        were rotated beforehand (contiguous, no tables), below it pairs with their RoPE entries."""
+        if top:
+            for j, d in T.Parallel(block_n, K):
+                kt[j, d] = T.if_then_else(c0 + j < n, TopK[b, h, T.min(c0 + j, NT - 1), d], T.cast(0.0, dtype))
+        elif l == 0:
+            gather_pairs(Kt, Tn, 0, Cos, Sin, parents, kx, ky, kc, ks, b, h, c0, n, n_par)
+        else:
+            gather_pairs(NodesK, NN, off, Cos, Sin, parents, kx, ky, kc, ks, b, h, c0, n, n_par)
+
+    @T.macro
+    def store_k(kt, kx, ky, kc, ks, k_s, k_lo, top):
+        """The gathered K as the mma operand, rotated at the candidates' buffer positions below the top."""
+        if top:
+            for j, d in T.Parallel(block_n, K):
+                put(T.cast(kt[j, d], "float32"), k_s, k_lo, j, d)
+        else:
+            for j, i in T.Parallel(block_n, half):
+                put_rotated(T.cast(kx[j, i], "float32"), T.cast(ky[j, i], "float32"), kc[j, i], ks[j, i], 1.0,
+                            True, k_s, k_lo, j, i)
+
+    @T.macro
+    def gather_rows(Src, rows, row_off, parents, vx, b, h, c0, n, n_par):
+        """Rows Src[b, row_off + node] of the chunk's candidates (zero past the candidates)."""
         for j, d in T.Parallel(block_n, V):
-            node = node_s[j]
-            x = T.if_then_else(c0 + j < n,
-                               T.if_then_else(l == 0, T.cast(Vt[b, T.min(node, Tn - 1), h, d], "float32"),
-                                              T.cast(NodesV[b, T.min(off + node, NN - 1), h, d], "float32")),
-                               0.0)
-            if split:
-                hi_lo(x, v_s, v_lo, j, d)
-            else:
-                v_s[j, d] = T.cast(x, cdt)
+            row = T.min(row_off + node_of(parents, T.min(c0 + j, nbuf - 1), n_par), rows - 1)
+            vx[j, d] = T.if_then_else(c0 + j < n, Src[b, row, h, d], T.cast(0.0, dtype))
+
+    @T.macro
+    def gather_v(Vt, NodesV, parents, vx, b, h, l, c0, off, n, n_par):
+        """Raw V of the chunk's candidates into registers (zero past the candidates, where probabilities
+        are zero too)."""
+        if l == 0:
+            gather_rows(Vt, Tn, 0, parents, vx, b, h, c0, n, n_par)
+        else:
+            gather_rows(NodesV, NN, off, parents, vx, b, h, c0, n, n_par)
 
     @T.macro
     def scores(q_s, q_lo, k_s, k_lo, acc_s, c0, n):
@@ -177,6 +324,8 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
         Vt: T.Tensor((B, Tn, Hkv, V), dtype),
         NodesK: T.Tensor((B, NN, Hkv, K), dtype),
         NodesV: T.Tensor((B, NN, Hkv, V), dtype),
+        TopK: T.Tensor((B, Hkv, NT, K), dtype),
+        TopLse: T.Tensor((B, Tn, H), "float32"),
         Cos: T.Tensor((nbuf, half), "float32"),
         Sin: T.Tensor((nbuf, half), "float32"),
         LayerOff: T.Tensor((_MAX_LAYERS,), "int32"),
@@ -186,18 +335,22 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
         write_sel: T.int32,
     ):
         with T.Kernel(Tn, Hkv, B, threads=threads) as (t, h, b):
-            q_raw = T.alloc_shared((GP, K), "float32")
+            # The walk is latency-bound (dependent gathers, barriers): capping registers so that
+            # min_blocks CTAs share an SM hides more of it than the extra registers would.
+            T.annotate_min_blocks_per_sm(min_blocks)
+            # Shared memory decides how many CTAs share an SM, so tiles are reused where lifetimes allow.
+            q_raw = T.alloc_shared((G, K), dtype)
             q_s = T.alloc_shared((GP, K), cdt)
             k_s = T.alloc_shared((block_n, K), cdt)
-            v_s = T.alloc_shared((block_n, V), cdt)
             p_s = T.alloc_shared((GP, block_n), cdt)
             # low parts of the split-TF32 operands (unused placeholders otherwise)
             q_lo = T.alloc_shared((GP, K) if split else (1, 1), cdt)
             k_lo = T.alloc_shared((block_n, K) if split else (1, 1), cdt)
-            v_lo = T.alloc_shared((block_n, V) if split else (1, 1), cdt)
             p_lo = T.alloc_shared((GP, block_n) if split else (1, 1), cdt)
+            # V's tile is loaded after the chunk's scores are computed: it can take K's place
+            v_s = k_s if K == V else T.alloc_shared((block_n, V), cdt)
+            v_lo = k_lo if K == V else T.alloc_shared((block_n, V) if split else (1, 1), cdt)
             prob_s = T.alloc_shared((GP, block_n), "float32")
-            node_s = T.alloc_shared((block_n,), "int32")
             keys = T.alloc_shared((nbuf,), "int32")
             parents = T.alloc_shared((top_k,), "int32")
             chosen = T.alloc_shared((top_k,), "int32")
@@ -205,6 +358,13 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             total = T.alloc_shared((1,), "int32")
 
             acc_s = T.alloc_fragment((GP, block_n), "float32")
+            # one chunk's gathered K (the top layer's rotated rows, or pairs with their RoPE entries), V
+            kt = T.alloc_fragment((block_n, K), dtype)
+            kx = T.alloc_fragment((block_n, half), dtype)
+            ky = T.alloc_fragment((block_n, half), dtype)
+            kc = T.alloc_fragment((block_n, half), "float32")
+            ks = T.alloc_fragment((block_n, half), "float32")
+            vx = T.alloc_fragment((block_n, V), dtype)
             acc_o = T.alloc_fragment((GP, V), "float32")
             # per-element partial statistics, reduced once per layer instead of once per chunk
             s_part = T.alloc_fragment((GP, block_n), "float32")  # softmax sum, reference m_run
@@ -221,8 +381,8 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             w = T.alloc_var("int32")
             tx = T.get_thread_binding()
 
-            for g, d in T.Parallel(GP, K):
-                q_raw[g, d] = T.if_then_else(g < G, T.cast(Q[b, t, T.min(h * G + g, H - 1), d], "float32"), 0.0)
+            for g, d in T.Parallel(G, K):
+                q_raw[g, d] = Q[b, t, h * G + g, d]
             T.fill(acc_o, 0.0)
             T.fill(s_part, 0.0)
             T.fill(m_run, _NEG)
@@ -239,42 +399,38 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                     n = (n_par - 1) * r + T.bitwise_and(last, r - 1) + 1
                 # The query sits at candidate-local position n - 1.
                 for g, i in T.Parallel(GP, half):
-                    x = q_raw[g, i]
-                    y = q_raw[g, i + half]
-                    lo = q_scale * (x * Cos[n - 1, i] - y * Sin[n - 1, i])
-                    hi = q_scale * (x * Sin[n - 1, i] + y * Cos[n - 1, i])
-                    if split:
-                        hi_lo(lo, q_s, q_lo, g, i)
-                        hi_lo(hi, q_s, q_lo, g, i + half)
-                    else:
-                        q_s[g, i] = T.cast(lo, cdt)
-                        q_s[g, i + half] = T.cast(hi, cdt)
+                    x = T.if_then_else(g < G, T.cast(q_raw[T.min(g, G - 1), i], "float32"), 0.0)
+                    y = T.if_then_else(g < G, T.cast(q_raw[T.min(g, G - 1), i + half], "float32"), 0.0)
+                    put_rotated(x, y, Cos[n - 1, i], Sin[n - 1, i], q_scale, True, q_s, q_lo, g, i)
                 chunks = T.ceildiv(n, block_n)
                 thr = 0
-                if l > 0:
+                if l == num_layers - 1 and l > 0:  # the top layer's lse: htree_top_lse_kernel
+                    for g in T.Parallel(GP):
+                        lse[g] = T.if_then_else(g < G, TopLse[b, t, h * G + T.min(g, G - 1)], 0.0)
+                elif l > 0:
                     # (1) per-head log-sum-exp over all candidates
                     T.fill(m_part, _NEG)
                     T.fill(l_part, 0.0)
+                    gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                             0, off, n, n_par)
                     for c in T.serial(chunks):
-                        load_nodes(parents, node_s, c * block_n, n, n_par)
-                        load_k(Kt, NodesK, Cos, Sin, node_s, k_s, k_lo, b, h, l, c * block_n, off, n)
+                        store_k(kt, kx, ky, kc, ks, k_s, k_lo, l == num_layers - 1)
+                        # the next chunk's loads fly during this chunk's math (past the last: none)
+                        gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                                 (c + 1) * block_n, off, n, n_par)
                         scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
                         for g, j in T.Parallel(GP, block_n):
-                            mx = T.max(m_part[g, j], acc_s[g, j])
-                            l_part[g, j] = T.if_then_else(
-                                acc_s[g, j] <= _NEG, l_part[g, j],
-                                l_part[g, j] * T.exp2(m_part[g, j] - mx) + T.exp2(acc_s[g, j] - mx))
-                            m_part[g, j] = mx
-                    T.reduce_max(m_part, m_new, dim=1, clear=True)
-                    for g, j in T.Parallel(GP, block_n):
-                        l_part[g, j] *= T.exp2(m_part[g, j] - m_new[g])
-                    T.reduce_sum(l_part, lse, dim=1, clear=True)
-                    for g in T.Parallel(GP):
-                        lse[g] = m_new[g] + T.log2(lse[g])
+                            _lse_update(m_part, l_part, g, j, acc_s[g, j])
+                    _lse_finish(m_part, l_part, m_new, lse)
+                if l > 0:
                     # (2) packed importance keys
+                    gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                             0, off, n, n_par)
                     for c in T.serial(chunks):
-                        load_nodes(parents, node_s, c * block_n, n, n_par)
-                        load_k(Kt, NodesK, Cos, Sin, node_s, k_s, k_lo, b, h, l, c * block_n, off, n)
+                        store_k(kt, kx, ky, kc, ks, k_s, k_lo, l == num_layers - 1)
+                        # the next chunk's loads fly during this chunk's math (past the last: none)
+                        gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                                 (c + 1) * block_n, off, n, n_par)
                         scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
                         for g, j in T.Parallel(GP, block_n):
                             pr = T.exp2(acc_s[g, j] - lse[g])
@@ -339,11 +495,15 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                     rescale(acc_o, s_part, m_run, m_new)
                 # (3) merge the non-winners (layer 0: everything) into the online softmax
                 if l == 0 or n > top_k:
+                    gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                             0, off, n, n_par)
                     for c in T.serial(chunks):
-                        load_nodes(parents, node_s, c * block_n, n, n_par)
-                        load_k(Kt, NodesK, Cos, Sin, node_s, k_s, k_lo, b, h, l, c * block_n, off, n)
+                        store_k(kt, kx, ky, kc, ks, k_s, k_lo, l == num_layers - 1)
+                        # this chunk's V and the next chunk's K fly during the scores (past the last: none)
+                        gather_v(Vt, NodesV, parents, vx, b, h, l, c * block_n, off, n, n_par)
+                        gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                                 (c + 1) * block_n, off, n, n_par)
                         scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
-                        load_v(Vt, NodesV, node_s, v_s, v_lo, b, h, l, c * block_n, off, n)
                         if l > 0:
                             for g, j in T.Parallel(GP, block_n):
                                 p = T.min(c * block_n + j, nbuf - 1)
@@ -356,10 +516,9 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                         for g, j in T.Parallel(GP, block_n):
                             acc_s[g, j] = T.if_then_else(acc_s[g, j] <= _NEG, 0.0, T.exp2(acc_s[g, j] - m_run[g]))
                             s_part[g, j] += acc_s[g, j]
-                            if split:
-                                hi_lo(acc_s[g, j], p_s, p_lo, g, j)
-                            else:
-                                p_s[g, j] = T.cast(acc_s[g, j], cdt)
+                            put(acc_s[g, j], p_s, p_lo, g, j)
+                        for j, d in T.Parallel(block_n, V):
+                            put(T.cast(vx[j, d], "float32"), v_s, v_lo, j, d)
                         T.gemm(p_s, v_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
                         if split:
                             T.gemm(p_s, v_lo, acc_o, policy=T.GemmWarpPolicy.FullCol)
@@ -384,12 +543,15 @@ class HTreeForwardTileLang:
     [B,T,Hkv,top_k] int32 ascending, -1 padded. See the module docstring for the memory needed."""
 
     op_name = "htree"
-    DEFAULT_CONFIG = {"block_n": 64, "threads": 128}
+    # A chunk's gathers sit in registers (96 per thread at K = 128, bf16, block_n = 64), so K = 128 takes
+    # 2 CTAs per SM; at K = 32 (fp32: ~32 registers, 72 KB of shared memory) 3 CTAs per SM fit.
+    DEFAULT_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 2}
+    SMALL_HEAD_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 3}  # head_dim <= 32
     tunable_kernel = staticmethod(htree_fwd_kernel)
 
     @staticmethod
     def config_space(**spec) -> list[dict]:
-        return [{"block_n": bn, "threads": 128} for bn in (32, 64, 128)]
+        return [{"block_n": bn, "threads": 128, "min_blocks": mb} for bn in (32, 64, 128) for mb in (2, 3, 4)]
 
     def __init__(self, num_heads, num_kv_heads, head_dim, v_head_dim=None, compression_rate=16,
                  top_k_per_layer=512, max_top_nodes=8192, rope_base=10000.0, dtype=torch.bfloat16,
@@ -423,9 +585,13 @@ class HTreeForwardTileLang:
         self.spec = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                      "v_head_dim": v_head_dim, "compression_rate": compression_rate, "top_k": top_k_per_layer,
                      "max_top_nodes": max_top_nodes, "scale": self.scale, "dtype": _DTYPES[dtype]}
-        self.config = resolve_config(self.op_name, self.spec, config, self.DEFAULT_CONFIG)
+        default = self.SMALL_HEAD_CONFIG if head_dim <= 32 else self.DEFAULT_CONFIG
+        self.config = resolve_config(self.op_name, self.spec, config, default)
         self.pool = compile_kernel(htree_pool_kernel(num_kv_heads, head_dim, v_head_dim, compression_rate,
                                                      _DTYPES[dtype]))
+        self.rope = compile_kernel(htree_rope_kernel(num_kv_heads, head_dim, _DTYPES[dtype]))
+        self.top_lse = compile_kernel(htree_top_lse_kernel(num_heads, num_kv_heads, head_dim, self.scale,
+                                                           _DTYPES[dtype]))
         self.kernel = compile_kernel(htree_fwd_kernel(**self.spec, **self.config))
         self._tables = {}
 
@@ -463,22 +629,30 @@ class HTreeForwardTileLang:
             self.pool(src_k, src_v, nodes_k, nodes_v, 0 if l == 1 else offs[l - 1], sizes[l - 1], offs[l], sizes[l])
         layer_off = torch.zeros(_MAX_LAYERS, dtype=torch.int32)
         layer_off[:len(sizes)] = torch.tensor(offs[:len(sizes)], dtype=torch.int32)
-        return nodes_k, nodes_v, layer_off.to(k.device), len(sizes)
+        # the top layer (layer 0 itself when T <= max_top_nodes), rotated at its buffer positions
+        top = k.new_empty(B, Hkv, sizes[-1], self.head_dim)
+        cos, sin = self._rope(k.device)
+        self.rope(k if len(sizes) == 1 else nodes_k, cos, sin, top, 0 if len(sizes) == 1 else offs[-1])
+        return nodes_k, nodes_v, top, layer_off.to(k.device), len(sizes)
 
     def tune_args(self, q, k, v, return_selection=False, out=None):
         self._check(q, k, v, out)
         B, T = q.shape[:2]
-        nodes_k, nodes_v, layer_off, L = self._tree(k, v)
+        nodes_k, nodes_v, top, layer_off, L = self._tree(k, v)
         cos, sin = self._rope(q.device)
+        top_lse = torch.empty(B, T, self.num_heads, dtype=torch.float32, device=q.device)
+        if L > 1:
+            self.top_lse(q, top, cos, sin, top_lse, (L - 1) * int(math.log2(self.compression_rate)))
         out = torch.empty(B, T, self.num_heads, self.v_head_dim, dtype=q.dtype, device=q.device) if out is None else out
         shape = (L - 1, B, T) if return_selection and L > 1 else (1, 1, 1)
         sel = torch.empty(*shape, self.num_kv_heads, self.top_k, dtype=torch.int32, device=q.device)
-        return (q, k, v, nodes_k, nodes_v, cos, sin, layer_off, out, sel, L, int(return_selection and L > 1))
+        return (q, k, v, nodes_k, nodes_v, top, top_lse, cos, sin, layer_off, out, sel, L,
+                int(return_selection and L > 1))
 
     def __call__(self, q, k, v, return_selection=False, out=None):
         args = self.tune_args(q, k, v, return_selection, out)
         self.kernel(*args)
-        out, sel = args[8], args[9]
+        out, sel = args[10], args[11]
         if not return_selection:
             return out
         return out, list(sel.unbind(0)) if args[-1] else []
