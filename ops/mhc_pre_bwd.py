@@ -214,11 +214,14 @@ def mhc_pre_bwd_grad_kernel(n: int, D: int, has_g_in: bool = True, token_groups:
             tiles = T.ceildiv(T.ceildiv(num_tokens, block_t), token_groups)
             for it in T.Pipelined(tiles, num_stages=num_stages):
                 t0 = (by * tiles + it) * block_t
+                # In the order the consumers free the tiles (x after its copy into xs, g_mix after its
+                # split, g_in and the coefficients after the epilogue): the producer waits for each
+                # free slot in program order, so a tile freed late must not hold back the others.
                 for i in streams:  # past D a tile reads the next stream: those columns are dropped
                     T.copy(X[t0:t0 + block_t, i * D + d0:i * D + d0 + block_d], xs_i[i])
+                T.copy(GMix[t0:t0 + block_t, :], gm_s)
                 if has_g_in:
                     T.copy(GIn[t0:t0 + block_t, d0:d0 + block_d], gs)
-                T.copy(GMix[t0:t0 + block_t, :], gm_s)
                 T.copy(Coef[t0:t0 + block_t, :], coef_s)
                 for i in streams:
                     T.copy(xs_i[i], xs[:, i * block_d:(i + 1) * block_d])
