@@ -6,12 +6,22 @@ so the pass is split in two kernels:
 
 1. `stats` (one CTA per tile of tokens, streaming over D): recomputes h_mix = x @ phi^T with the tensor
    cores (phi as bf16 hi + lo parts, x exact in bf16, as the forward), the dots p, and from them per
-   token g_mix = d loss / d h_mix [NP], c = -g_s * inv_rms^3 / (n*D), g_z = d loss / d pre-activation
-   (grad_bias terms) and the three grad_alpha terms.
+   token g_mix = d loss / d h_mix [NP], the coefficients [c, h_pre] of x and g_in in grad_x
+   (c = -g_s * inv_rms^3 / (n*D)), g_z = d loss / d pre-activation (grad_bias terms) and the three
+   grad_alpha terms.
 2. `grad` (one CTA per D-slice and token group, streaming over tokens): grad_x = g_mix @ phi
    + c * x + h_pre (x) g_in from one read of the x and g_in tiles, and grad_phi^T += x^T @ g_mix on the
    same tiles (a GEMM whose K is the token dimension). phi's slice stays in shared memory for the whole
    token stream; each CTA keeps its grad_phi slice in registers and writes it once.
+
+Every tile of the pipelined loops is one whole shared buffer loaded by one bulk (TMA) copy from a 2D
+view (x as [tokens, n*D]), so TileLang's warp-specialized producer prefetches it, guarded by that
+buffer's own full / empty barriers. A copy that cannot be TMA (a row not a multiple of 16 bytes, such
+as h_pre's [block_t, n] for n = 1, 2, 3, 6) must stay out of these loops: TileLang 0.1.15 issues it
+under the first TMA buffer's empty barrier, which the consumers release when done with that buffer,
+not after their last read of the copy's destination, so the next tile's copy overwrites it while it
+is still read. Hence the grad kernel's per-token coefficients [c, h_pre] come as one fp32 tensor with
+16-byte rows, written by the stats kernel.
 
 Token reductions (grad_phi over token groups, grad_bias, grad_alpha over tokens) are sums of per-CTA /
 per-token partials in a fixed order: bitwise reproducible, no float atomics.
@@ -36,12 +46,10 @@ def _dims(n: int, D: int, block_d: int):
     return M, phi_split_rows(n), _round_up(M, 32), _round_up(D, _D_PAD), _round_up(D, block_d)
 
 
-@T.macro
-def _load_x(X, xs, t0, d0, n: int, block_t: int, block_d: int):
-    """x[t0:t0+block_t, i, d0:d0+block_d] of every stream i into xs[:, i*block_d:(i+1)*block_d]
-    (rows past the last token and columns past D read as zero)."""
-    for i in T.unroll(n):
-        T.copy(X[t0:t0 + block_t, i, d0:d0 + block_d], xs[:, i * block_d:(i + 1) * block_d])
+def _coef_cols(n: int) -> int:
+    """Columns of the per-token coefficients [c, h_pre[0..n-1], zeros]: rows of a multiple of 16 bytes
+    (a TMA box row)."""
+    return _round_up(n + 1, 4)
 
 
 def mhc_pre_bwd_stats_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: bool = True,
@@ -53,55 +61,67 @@ def mhc_pre_bwd_stats_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: 
     bk = n * block_d
     num_tokens = T.dynamic("num_tokens")
     rows_in, rows_post, rows_res = (num_tokens if has else 1 for has in (has_g_in, has_g_post, has_g_res))
+    CW = _coef_cols(n)
+    streams = tuple(range(n))  # a Python tuple: the loops over it unroll while tracing
+    coef_cols = tuple(range(1, CW))
 
     @T.prim_func
     def mhc_pre_bwd_stats(
-        X: T.Tensor((num_tokens, n, D), "bfloat16"),
-        PhiHi: T.Tensor((NG, n, Dp), "bfloat16"),
-        PhiLo: T.Tensor((NG, n, Dp), "bfloat16"),
+        X: T.Tensor((num_tokens, n * D), "bfloat16"),
+        PhiHL: T.Tensor((2 * NG, n * Dp), "bfloat16"),
         Alpha: T.Tensor((3,), "float32"),
         Bias: T.Tensor((M,), "float32"),
         InvRms: T.Tensor((num_tokens,), "float32"),
+        HPre: T.Tensor((num_tokens, n), "float32"),
         GIn: T.Tensor((rows_in, D), "bfloat16"),
         GPost: T.Tensor((rows_post, n), "float32"),
         GRes: T.Tensor((rows_res, n * n), "float32"),
         GMix: T.Tensor((num_tokens, NP), "float32"),
-        CoefX: T.Tensor((num_tokens,), "float32"),
+        Coef: T.Tensor((num_tokens, CW), "float32"),
         GZ: T.Tensor((num_tokens, M), "float32"),
         GAlpha: T.Tensor((num_tokens, 3), "float32"),
     ):
         with T.Kernel(T.ceildiv(num_tokens, block_t), threads=threads) as bx:
             t0 = bx * block_t
-            xs = T.alloc_shared((block_t, bk), "bfloat16")
+            # One tile per stream, each a whole buffer, so that every load is one bulk (TMA) copy.
+            xs = [T.alloc_shared((block_t, block_d), "bfloat16") for _ in streams]
+            phs = [T.alloc_shared((2 * NG, block_d), "bfloat16") for _ in streams]  # [hi; lo] rows
             gs = T.alloc_shared((block_t, block_d), "bfloat16")
-            phi2_s = T.alloc_shared((2 * NG, bk), "bfloat16")  # [hi; lo]: h_mix = sum of both halves
-            mix2 = T.alloc_fragment((block_t, 2 * NG), "float32")
+            mix2 = T.alloc_fragment((block_t, 2 * NG), "float32")  # h_mix = sum of the two halves
             mix2_s = T.alloc_shared((block_t, 2 * NG), "float32")
-            q_s = T.alloc_shared((block_t, 3 * n * n), "float32")  # g_z * h_mix by alpha group
+            # g_z * h_mix by alpha group (n*n columns each), padded so that its clear spans whole
+            # rounds of the threads (64 x 27 for n = 3 does not lower).
+            q_s = T.alloc_shared((block_t, _round_up(3 * n * n, 4)), "float32")
             qsum_s = T.alloc_shared((block_t, 3), "float32")
 
             T.clear(mix2)
             if has_g_in:  # p = g_in . x_i, accumulated per element, reduced over D at the end
-                dot = T.alloc_fragment((n, block_t, block_d), "float32")
-                p = T.alloc_fragment((n, block_t), "float32")
+                dots = [T.alloc_fragment((block_t, block_d), "float32") for _ in streams]
+                p = T.alloc_fragment((block_t,), "float32")
                 p_s = T.alloc_shared((n, block_t), "float32")
-                T.clear(dot)
+                for i in streams:
+                    T.clear(dots[i])
             for kd in T.Pipelined(Dc // block_d, num_stages=num_stages):
                 d0 = kd * block_d
-                _load_x(X, xs, t0, d0, n, block_t, block_d)
-                for i in T.unroll(n):
-                    T.copy(PhiHi[:, i, d0:d0 + block_d], phi2_s[0:NG, i * block_d:(i + 1) * block_d])
-                    T.copy(PhiLo[:, i, d0:d0 + block_d], phi2_s[NG:2 * NG, i * block_d:(i + 1) * block_d])
+                # Past D a stream's tile reads the next stream's x: phi's padded columns and g_in's
+                # zero fill (out of bounds) cancel it.
+                for i in streams:
+                    T.copy(X[t0:t0 + block_t, i * D + d0:i * D + d0 + block_d], xs[i])
+                    T.copy(PhiHL[:, i * Dp + d0:i * Dp + d0 + block_d], phs[i])
                 if has_g_in:
                     T.copy(GIn[t0:t0 + block_t, d0:d0 + block_d], gs)
-                T.gemm(xs, phi2_s, mix2, transpose_B=True)
+                for i in streams:
+                    T.gemm(xs[i], phs[i], mix2, transpose_B=True)
                 if has_g_in:
-                    for i, t, d in T.Parallel(n, block_t, block_d):
-                        dot[i, t, d] += T.cast(xs[t, i * block_d + d], "float32") * T.cast(gs[t, d], "float32")
+                    for i in streams:
+                        for t, d in T.Parallel(block_t, block_d):
+                            dots[i][t, d] += T.cast(xs[i][t, d], "float32") * T.cast(gs[t, d], "float32")
 
             if has_g_in:
-                T.reduce_sum(dot, p, dim=2)
-                T.copy(p, p_s)
+                for i in streams:
+                    T.reduce_sum(dots[i], p, dim=1)
+                    for t in T.Parallel(block_t):
+                        p_s[i, t] = p[t]
             T.copy(mix2, mix2_s)
             T.clear(q_s)
             # d loss / d pre-activation per (token, row of phi), and d loss / d h_mix.
@@ -131,7 +151,9 @@ def mhc_pre_bwd_stats_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: 
                 if tok < num_tokens:
                     s = InvRms[tok]
                     g_s = Alpha[0] * qsum_s[t, 0] + Alpha[1] * qsum_s[t, 1] + Alpha[2] * qsum_s[t, 2]
-                    CoefX[tok] = -g_s * s * s * s / (n * D)
+                    Coef[tok, 0] = -g_s * s * s * s / (n * D)
+                    for j in coef_cols:
+                        Coef[tok, j] = HPre[tok, j - 1] if j <= n else T.float32(0)
                     for g in T.unroll(3):
                         GAlpha[tok, g] = s * qsum_s[t, g]
 
@@ -139,38 +161,41 @@ def mhc_pre_bwd_stats_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: 
 
 
 def mhc_pre_bwd_grad_kernel(n: int, D: int, has_g_in: bool = True, token_groups: int = 4,
-                            block_t: int = 64, block_d: int = 64, num_stages: int = 2, threads: int = 256):
+                            block_t: int = 64, block_d: int = 64, num_stages: int = 1, threads: int = 256):
     """grad_x and per-token-group grad_phi^T partials (module docstring, step 2)."""
     M, NG, NP, Dp, Dc = _dims(n, D, block_d)
     bk = n * block_d
     num_tokens = T.dynamic("num_tokens")
     rows_in = num_tokens if has_g_in else 1
+    CW = _coef_cols(n)
+    streams = tuple(range(n))  # a Python tuple: the loops over it unroll while tracing
 
     @T.prim_func
     def mhc_pre_bwd_grad(
-        X: T.Tensor((num_tokens, n, D), "bfloat16"),
+        X: T.Tensor((num_tokens, n * D), "bfloat16"),
         PhiHi: T.Tensor((NG, n, Dp), "bfloat16"),
         PhiLo: T.Tensor((NG, n, Dp), "bfloat16"),
-        HPre: T.Tensor((num_tokens, n), "float32"),
         GIn: T.Tensor((rows_in, D), "bfloat16"),
         GMix: T.Tensor((num_tokens, NP), "float32"),
-        CoefX: T.Tensor((num_tokens,), "float32"),
+        Coef: T.Tensor((num_tokens, CW), "float32"),
         GradX: T.Tensor((num_tokens, n, D), "bfloat16"),
         PartPhiT: T.Tensor((token_groups, n, Dc, NP), "float32"),
     ):
         with T.Kernel(Dc // block_d, token_groups, threads=threads) as (bx, by):
             d0 = bx * block_d
+            # Per-stream tiles land by bulk (TMA) copies; x^T @ g_mix wants them side by side in xs.
+            xs_i = [T.alloc_shared((block_t, block_d), "bfloat16") for _ in streams]
             xs = T.alloc_shared((block_t, bk), "bfloat16")
             gs = T.alloc_shared((block_t, block_d), "bfloat16")
             gm_s = T.alloc_shared((block_t, NP), "float32")
-            c_s = T.alloc_shared((block_t,), "float32")
-            hp_s = T.alloc_shared((block_t, n), "float32")
+            coef_s = T.alloc_shared((block_t, CW), "float32")  # [c, h_pre] per token
             # g_mix as [hi | lo | hi] against phi as [hi; hi; lo]: one K = 3*NP product.
             gm3_s = T.alloc_shared((block_t, 3 * NP), "bfloat16")
             phi3_s = T.alloc_shared((3 * NP, bk), "bfloat16")
             gmhi_s = T.alloc_shared((block_t, NP), "bfloat16")
             gmlo_s = T.alloc_shared((block_t, NP), "bfloat16")
             gx = T.alloc_fragment((block_t, bk), "float32")
+            xr = T.alloc_fragment((block_t, bk), "bfloat16")  # x, then grad_x, in gx's layout
             gphi_hi = T.alloc_fragment((bk, NP), "float32")
             gphi_lo = T.alloc_fragment((bk, NP), "float32")
 
@@ -186,12 +211,17 @@ def mhc_pre_bwd_grad_kernel(n: int, D: int, has_g_in: bool = True, token_groups:
             tiles = T.ceildiv(T.ceildiv(num_tokens, block_t), token_groups)
             for it in T.Pipelined(tiles, num_stages=num_stages):
                 t0 = (by * tiles + it) * block_t
-                _load_x(X, xs, t0, d0, n, block_t, block_d)
+                # In the order the consumers free the tiles (x after its copy into xs, g_mix after its
+                # split, g_in and the coefficients after the epilogue): the producer waits for each
+                # free slot in program order, so a tile freed late must not hold back the others.
+                for i in streams:  # past D a tile reads the next stream: those columns are dropped
+                    T.copy(X[t0:t0 + block_t, i * D + d0:i * D + d0 + block_d], xs_i[i])
+                T.copy(GMix[t0:t0 + block_t, :], gm_s)
                 if has_g_in:
                     T.copy(GIn[t0:t0 + block_t, d0:d0 + block_d], gs)
-                T.copy(GMix[t0:t0 + block_t, :], gm_s)
-                T.copy(CoefX[t0:t0 + block_t], c_s)
-                T.copy(HPre[t0:t0 + block_t, :], hp_s)
+                T.copy(Coef[t0:t0 + block_t, :], coef_s)
+                for i in streams:
+                    T.copy(xs_i[i], xs[:, i * block_d:(i + 1) * block_d])
                 for t, r in T.Parallel(block_t, NP):
                     hi = T.cast(gm_s[t, r], "bfloat16")
                     lo = T.cast(gm_s[t, r] - T.cast(hi, "float32"), "bfloat16")
@@ -203,14 +233,19 @@ def mhc_pre_bwd_grad_kernel(n: int, D: int, has_g_in: bool = True, token_groups:
                 T.gemm(gm3_s, phi3_s, gx, clear_accum=True)
                 T.gemm(xs, gmhi_s, gphi_hi, transpose_A=True)
                 T.gemm(xs, gmlo_s, gphi_lo, transpose_A=True)
+                # grad_x is formed in registers in place of x (gx's layout), replaces the x tile in xs
+                # (the products above are done with it), then leaves by row-contiguous 16-byte stores,
+                # not the accumulator's scattered 4-byte ones. Its columns past D and rows past the
+                # last token are not stored (a TMA store from these column slices does not lower).
+                T.copy(xs, xr)
                 for t, k in T.Parallel(block_t, bk):
-                    tok = t0 + t
                     i = k // block_d
-                    d = d0 + k % block_d
-                    h_in_term = hp_s[t, i] * T.cast(gs[t, k % block_d], "float32") if has_g_in else T.float32(0)
-                    val = gx[t, k] + c_s[t] * T.cast(xs[t, k], "float32") + h_in_term
-                    if tok < num_tokens and d < D:
-                        GradX[tok, i, d] = T.cast(val, "bfloat16")
+                    h_in_term = coef_s[t, 1 + i] * T.cast(gs[t, k % block_d], "float32") if has_g_in else T.float32(0)
+                    xr[t, k] = T.cast(gx[t, k] + coef_s[t, 0] * T.cast(xr[t, k], "float32") + h_in_term, "bfloat16")
+                T.copy(xr, xs)
+                for i in streams:
+                    T.copy(xs[:, i * block_d:(i + 1) * block_d], GradX[t0:t0 + block_t, i, d0:d0 + block_d],
+                           annotations={"disable_tma": True})
             for k, r in T.Parallel(bk, NP):
                 PartPhiT[by, k // block_d, d0 + k % block_d, r] = gphi_hi[k, r] + gphi_lo[k, r]
 
@@ -218,10 +253,12 @@ def mhc_pre_bwd_grad_kernel(n: int, D: int, has_g_in: bool = True, token_groups:
 
 
 def _default_config(n: int) -> dict:
-    # block_d keeps n*block_d a multiple of 64 (the grad_phi product's M over 8 warps); n > 4 needs
-    # a single stage to fit shared memory (n = 5 and 7 fit with no block_d, see MHCBackwardPreTileLang).
+    # block_d keeps n*block_d a multiple of 64 (the grad_phi product's M over 8 warps) and shared
+    # memory in bounds (n = 5 and 7 fit with no block_d, see MHCBackwardPreTileLang). num_stages is the
+    # grad kernel's (the tunable one; the stats kernel takes 2 when they fit, see _stats_stages): one
+    # stage, as measured; its x tiles are copied out at once, which frees them for the next loads.
     block_d = {6: 32, 8: 16}.get(n, 64)
-    return {"block_t": 64, "block_d": block_d, "token_groups": 4, "num_stages": 2 if n <= 4 else 1}
+    return {"block_t": 64, "block_d": block_d, "token_groups": 4, "num_stages": 1}
 
 
 class MHCBackwardPreTileLang:
@@ -276,13 +313,14 @@ class MHCBackwardPreTileLang:
 
     def _kernels(self, has_g_in: bool, has_g_post: bool, has_g_res: bool):
         cfg, n, D = self.config, self.n, self.D
-        tiles = {k: cfg[k] for k in ("block_t", "block_d", "num_stages")}
+        tiles = {k: cfg[k] for k in ("block_t", "block_d")}
         key = (has_g_in, has_g_post, has_g_res)
         if key not in self._stats:
-            self._stats[key] = compile_kernel(mhc_pre_bwd_stats_kernel(n, D, *key, **tiles))
+            stages = _stats_stages(n, cfg["block_t"], cfg["block_d"])
+            self._stats[key] = compile_kernel(mhc_pre_bwd_stats_kernel(n, D, *key, num_stages=stages, **tiles))
         if has_g_in not in self._grad:
-            self._grad[has_g_in] = compile_kernel(
-                mhc_pre_bwd_grad_kernel(n, D, has_g_in, token_groups=cfg["token_groups"], **tiles))
+            self._grad[has_g_in] = compile_kernel(mhc_pre_bwd_grad_kernel(
+                n, D, has_g_in, token_groups=cfg["token_groups"], num_stages=cfg["num_stages"], **tiles))
         return self._stats[key], self._grad[has_g_in]
 
     def check_inputs(self, x, phi, alpha, bias, inv_rms, h_pre, grad_h_in=None, grad_h_post=None,
@@ -314,22 +352,23 @@ class MHCBackwardPreTileLang:
         M, NG, NP, Dp, Dc = _dims(n, D, cfg["block_d"])
         tokens, dev = x.shape[0] * x.shape[1], x.device
         f32 = dict(device=dev, dtype=torch.float32)
-        phi_hi = torch.empty(NG, n, Dp, device=dev, dtype=torch.bfloat16)
-        phi_lo = torch.empty_like(phi_hi)
+        phi_hl = torch.empty(2 * NG, n, Dp, device=dev, dtype=torch.bfloat16)  # [hi; lo]
+        phi_hi, phi_lo = phi_hl[:NG], phi_hl[NG:]
         self._split(phi, phi_hi, phi_lo)
         g_in = (self._placeholder(dev, (1, D), torch.bfloat16) if grad_h_in is None
                 else grad_h_in.view(tokens, D))
         g_post = self._placeholder(dev, (1, n), torch.float32) if grad_h_post is None else grad_h_post.view(tokens, n)
         g_res = (self._placeholder(dev, (1, n * n), torch.float32) if grad_h_res is None
                  else grad_h_res.view(tokens, n * n))
-        x3 = x.view(tokens, n, D)
-        g_mix, coef = torch.empty(tokens, NP, **f32), torch.empty(tokens, **f32)
+        x2 = x.view(tokens, n * D)
+        g_mix, coef = torch.empty(tokens, NP, **f32), torch.empty(tokens, _coef_cols(n), **f32)
         g_z, g_alpha = torch.empty(tokens, M, **f32), torch.empty(tokens, 3, **f32)
         grad_x = torch.empty(tokens, n, D, device=dev, dtype=torch.bfloat16)
         part_phi_t = torch.empty(cfg["token_groups"], n, Dc, NP, **f32)
-        stats_args = (x3, phi_hi, phi_lo, alpha, bias, inv_rms.view(tokens), g_in, g_post, g_res,
-                      g_mix, coef, g_z, g_alpha)
-        grad_args = (x3, phi_hi, phi_lo, h_pre.view(tokens, n), g_in, g_mix, coef, grad_x, part_phi_t)
+        # Each kernel's outputs come last: (g_z, g_alpha) and (grad_x, part_phi_t).
+        stats_args = (x2, phi_hl.view(2 * NG, n * Dp), alpha, bias, inv_rms.view(tokens), h_pre.view(tokens, n),
+                      g_in, g_post, g_res, g_mix, coef, g_z, g_alpha)
+        grad_args = (x2, phi_hi, phi_lo, g_in, g_mix, coef, grad_x, part_phi_t)
         return stats_args, grad_args
 
     def tune_args(self, x, phi, alpha, bias, inv_rms, h_pre, grad_h_in=None, grad_h_post=None,
@@ -354,8 +393,8 @@ class MHCBackwardPreTileLang:
         stats_args, grad_args = self._launch_args(*call)
         stats(*stats_args)
         grad(*grad_args)
-        g_z, g_alpha = stats_args[11:13]
-        grad_x, part_phi_t = grad_args[7:9]
+        g_z, g_alpha = stats_args[-2:]
+        grad_x, part_phi_t = grad_args[-2:]
         # Fixed-order sums of the per-group / per-token partials (deterministic).
         grad_phi = part_phi_t.sum(0)[:, :D, :M].permute(2, 0, 1).reshape(M, n * D)
         return grad_x.view(B, S, n, D), grad_phi, g_alpha.sum(0), g_z.sum(0)
@@ -364,15 +403,32 @@ class MHCBackwardPreTileLang:
 _SMEM_LIMIT = 220 * 1024
 
 
-def _smem_bytes(n: int, block_t: int, block_d: int, num_stages: int) -> int:
-    """Shared memory of the larger of the two kernels (stats, grad), counting every buffer written
-    inside the pipelined loop once per stage (the pipeline versions them)."""
-    _, NG, NP, _, _ = _dims(n, block_d, block_d)
+def _stats_smem(n: int, block_t: int, block_d: int, num_stages: int) -> int:
+    """Shared memory of the stats kernel: its TMA tiles once per stage, the epilogue's buffers."""
+    _, NG, _, _, _ = _dims(n, block_d, block_d)
     bk = n * block_d
-    stats = (num_stages * (block_t * bk * 2 + block_t * block_d * 2 + 2 * NG * bk * 2)
-             + block_t * (2 * NG + 3 * n * n) * 4)
-    grad = 3 * NP * bk * 2 + num_stages * block_t * (bk * 2 + block_d * 2 + NP * 4 + 5 * NP * 2)
-    return max(stats, grad) + 2048
+    tiles = block_t * bk * 2 + 2 * NG * bk * 2 + block_t * block_d * 2
+    return num_stages * tiles + block_t * (2 * NG + _round_up(3 * n * n, 4) + 3 + n) * 4
+
+
+def _grad_smem(n: int, block_t: int, block_d: int, num_stages: int) -> int:
+    """Shared memory of the grad kernel: its TMA tiles once per stage, then phi's [hi; hi; lo] slice,
+    the side-by-side x tile and g_mix's bf16 parts."""
+    _, _, NP, _, _ = _dims(n, block_d, block_d)
+    bk = n * block_d
+    tiles = block_t * (bk * 2 + block_d * 2 + NP * 4 + _coef_cols(n) * 4)
+    return num_stages * tiles + 3 * NP * bk * 2 + block_t * bk * 2 + block_t * 5 * NP * 2
+
+
+def _stats_stages(n: int, block_t: int, block_d: int) -> int:
+    """Two stages for the stats kernel where they fit, else one."""
+    return 2 if _stats_smem(n, block_t, block_d, 2) + 2048 <= _SMEM_LIMIT else 1
+
+
+def _smem_bytes(n: int, block_t: int, block_d: int, num_stages: int) -> int:
+    """Shared memory of the larger of the two kernels, plus slack for barriers and alignment."""
+    stats = _stats_smem(n, block_t, block_d, _stats_stages(n, block_t, block_d))
+    return max(stats, _grad_smem(n, block_t, block_d, num_stages)) + 2048
 
 
 class _MHCPre(torch.autograd.Function):

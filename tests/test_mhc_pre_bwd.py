@@ -100,7 +100,7 @@ def op_2_520():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("n,D", [(4, 4096), (4, 7168), (1, 64), (8, 512)])
+@pytest.mark.parametrize("n,D", [(4, 4096), (4, 7168), (1, 64), (8, 512), (3, 520), (6, 520)])
 def test_compiles_for_sm90a(n, D):
     op = MHCBackwardPreTileLang(1, 4, n, D)
     assert set(op._stats) == {ALL} and set(op._grad) == {True}
@@ -153,17 +153,18 @@ def test_call_validation_gpu(op_2_520, which, make, err, match):
 _OPS = {}
 
 
-def gpu_op(n, D):
-    if (n, D) not in _OPS:
-        _OPS[(n, D)] = MHCBackwardPreTileLang(1, 1, n, D)
-    return _OPS[(n, D)]
+def gpu_op(n, D, num_stages=None):
+    key = (n, D, num_stages)
+    if key not in _OPS:
+        _OPS[key] = MHCBackwardPreTileLang(1, 1, n, D, None if num_stages is None else {"num_stages": num_stages})
+    return _OPS[key]
 
 
-def run_both(B, S, n, D, present=ALL, poisoned=contextlib.nullcontext):
+def run_both(B, S, n, D, present=ALL, poisoned=contextlib.nullcontext, num_stages=None):
     inputs, grads = make_inputs(B, S, n, D, device="cuda", present=present)
     _, _, _, inv_rms, h_pre = mhc_forward_pre(*inputs, return_aux=True)
     with poisoned():  # every output and workspace of the op starts as NaN
-        got = gpu_op(n, D)(*inputs, inv_rms, h_pre, *grads)
+        got = gpu_op(n, D, num_stages)(*inputs, inv_rms, h_pre, *grads)
     ref = mhc_backward_pre_autograd(*inputs, *grads)
     return got, ref
 
@@ -182,6 +183,20 @@ def assert_close(got, ref):
 @pytest.mark.parametrize("n,D", [(1, 520), (2, 520), (4, 1024), (8, 256)])
 def test_matches_golden(poisoned, tokens, n, D):
     assert_close(*run_both(1, tokens, n, D, poisoned=poisoned))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,D", [(3, 520), (6, 520)])
+def test_matches_golden_other_n(poisoned, n, D):
+    # 1000 tokens: 4 token tiles per grad CTA, D not a multiple of block_d, h_pre rows under 16 bytes.
+    assert_close(*run_both(1, 1000, n, D, poisoned=poisoned))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,D", [(2, 520), (4, 1024)])
+def test_matches_golden_two_stage_grad(poisoned, n, D):
+    """The grad kernel's other point of config_space: two pipeline stages."""
+    assert_close(*run_both(1, 1000, n, D, poisoned=poisoned, num_stages=2))
 
 
 @pytest.mark.gpu
