@@ -543,9 +543,10 @@ class HTreeForwardTileLang:
     [B,T,Hkv,top_k] int32 ascending, -1 padded. See the module docstring for the memory needed."""
 
     op_name = "htree"
-    # A chunk's gathers sit in registers (96 per thread at K = 128, bf16, block_n = 64), so K = 128 takes
-    # 2 CTAs per SM; at K = 32 (fp32: ~32 registers, 72 KB of shared memory) 3 CTAs per SM fit.
-    DEFAULT_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 2}
+    # A chunk's gathers sit in registers (96 per thread at K = 128, bf16, block_n = 64: 2 CTAs per SM and
+    # spills), so K > 32 takes chunks of 32 and 3 CTAs per SM (H200, (b) T=32768: 434 vs 600 ms); at
+    # K = 32 (fp32: ~32 registers, 72 KB of shared memory) chunks of 64 fit 3 CTAs per SM.
+    DEFAULT_CONFIG = {"block_n": 32, "threads": 128, "min_blocks": 3}
     SMALL_HEAD_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 3}  # head_dim <= 32
     tunable_kernel = staticmethod(htree_fwd_kernel)
 
