@@ -195,7 +195,6 @@ def mhc_pre_bwd_grad_kernel(n: int, D: int, has_g_in: bool = True, token_groups:
             gmhi_s = T.alloc_shared((block_t, NP), "bfloat16")
             gmlo_s = T.alloc_shared((block_t, NP), "bfloat16")
             gx = T.alloc_fragment((block_t, bk), "float32")
-            xr = T.alloc_fragment((block_t, bk), "bfloat16")  # x, then grad_x, in gx's layout
             gphi_hi = T.alloc_fragment((bk, NP), "float32")
             gphi_lo = T.alloc_fragment((bk, NP), "float32")
 
@@ -233,19 +232,14 @@ def mhc_pre_bwd_grad_kernel(n: int, D: int, has_g_in: bool = True, token_groups:
                 T.gemm(gm3_s, phi3_s, gx, clear_accum=True)
                 T.gemm(xs, gmhi_s, gphi_hi, transpose_A=True)
                 T.gemm(xs, gmlo_s, gphi_lo, transpose_A=True)
-                # grad_x is formed in registers in place of x (gx's layout), replaces the x tile in xs
-                # (the products above are done with it), then leaves by row-contiguous 16-byte stores,
-                # not the accumulator's scattered 4-byte ones. Its columns past D and rows past the
-                # last token are not stored (a TMA store from these column slices does not lower).
-                T.copy(xs, xr)
                 for t, k in T.Parallel(block_t, bk):
+                    tok = t0 + t
                     i = k // block_d
+                    d = d0 + k % block_d
                     h_in_term = coef_s[t, 1 + i] * T.cast(gs[t, k % block_d], "float32") if has_g_in else T.float32(0)
-                    xr[t, k] = T.cast(gx[t, k] + coef_s[t, 0] * T.cast(xr[t, k], "float32") + h_in_term, "bfloat16")
-                T.copy(xr, xs)
-                for i in streams:
-                    T.copy(xs[:, i * block_d:(i + 1) * block_d], GradX[t0:t0 + block_t, i, d0:d0 + block_d],
-                           annotations={"disable_tma": True})
+                    val = gx[t, k] + coef_s[t, 0] * T.cast(xs[t, k], "float32") + h_in_term
+                    if tok < num_tokens and d < D:
+                        GradX[tok, i, d] = T.cast(val, "bfloat16")
             for k, r in T.Parallel(bk, NP):
                 PartPhiT[by, k // block_d, d0 + k % block_d, r] = gphi_hi[k, r] + gphi_lo[k, r]
 
