@@ -101,7 +101,7 @@ def bench(b):
             ours = timer(lambda: op(q, k, v))
             b.row("htree", wl, "tilelang", ours, bytes=moved, flops=flops, ours=True)
             dense = timer(lambda: dense_rope_sdpa(q, k, v, cos, sin))
-            b.row("htree", wl, "dense causal SDPA", dense, flops=2 * T * T * H * (K + K))
+            b.row("htree", wl, "dense causal SDPA", dense, flops=T * T * H * (K + K))  # causal: half of 2*T*T*H*(K+V)
             seed_ms = None
             if seed is not None and (tag == "a" or T <= 131072):
                 seed_ms = b.time(lambda: seed(q, k, v, 16, 8192, 512))
