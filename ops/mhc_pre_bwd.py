@@ -194,9 +194,7 @@ def mhc_pre_bwd_grad_kernel(n: int, D: int, has_g_in: bool = True, token_groups:
             phi3_s = T.alloc_shared((3 * NP, bk), "bfloat16")
             gmhi_s = T.alloc_shared((block_t, NP), "bfloat16")
             gmlo_s = T.alloc_shared((block_t, NP), "bfloat16")
-            gxs = T.alloc_shared((block_t, bk), "bfloat16")  # grad_x's staging tile, nothing else's
             gx = T.alloc_fragment((block_t, bk), "float32")
-            xr = T.alloc_fragment((block_t, bk), "bfloat16")  # x, then grad_x, in gx's layout
             gphi_hi = T.alloc_fragment((bk, NP), "float32")
             gphi_lo = T.alloc_fragment((bk, NP), "float32")
 
@@ -234,20 +232,14 @@ def mhc_pre_bwd_grad_kernel(n: int, D: int, has_g_in: bool = True, token_groups:
                 T.gemm(gm3_s, phi3_s, gx, clear_accum=True)
                 T.gemm(xs, gmhi_s, gphi_hi, transpose_A=True)
                 T.gemm(xs, gmlo_s, gphi_lo, transpose_A=True)
-                # grad_x is formed in registers in place of x (gx's layout), staged in its own tile gxs
-                # (no TMA copy and no tensor-core product touches it), then leaves by row-contiguous
-                # 16-byte stores, not the accumulator's scattered 4-byte ones. Its columns past D and
-                # rows past the last token are not stored (a TMA store from these column slices does
-                # not lower).
-                T.copy(xs, xr)
                 for t, k in T.Parallel(block_t, bk):
+                    tok = t0 + t
                     i = k // block_d
+                    d = d0 + k % block_d
                     h_in_term = coef_s[t, 1 + i] * T.cast(gs[t, k % block_d], "float32") if has_g_in else T.float32(0)
-                    xr[t, k] = T.cast(gx[t, k] + coef_s[t, 0] * T.cast(xr[t, k], "float32") + h_in_term, "bfloat16")
-                T.copy(xr, gxs)
-                for i in streams:
-                    T.copy(gxs[:, i * block_d:(i + 1) * block_d], GradX[t0:t0 + block_t, i, d0:d0 + block_d],
-                           annotations={"disable_tma": True})
+                    val = gx[t, k] + coef_s[t, 0] * T.cast(xs[t, k], "float32") + h_in_term
+                    if tok < num_tokens and d < D:
+                        GradX[tok, i, d] = T.cast(val, "bfloat16")
             for k, r in T.Parallel(bk, NP):
                 PartPhiT[by, k // block_d, d0 + k % block_d, r] = gphi_hi[k, r] + gphi_lo[k, r]
 
@@ -414,13 +406,12 @@ def _stats_smem(n: int, block_t: int, block_d: int, num_stages: int) -> int:
 
 
 def _grad_smem(n: int, block_t: int, block_d: int, num_stages: int) -> int:
-    """Shared memory of the grad kernel: its TMA tiles and g_mix's bf16 parts once per stage (TileLang
-    multi-buffers those too), then phi's [hi; hi; lo] slice, the side-by-side x tile and grad_x's
-    staging tile."""
+    """Shared memory of the grad kernel: its TMA tiles once per stage, then phi's [hi; hi; lo] slice,
+    the side-by-side x tile and g_mix's bf16 parts."""
     _, _, NP, _, _ = _dims(n, block_d, block_d)
     bk = n * block_d
-    per_stage = block_t * (bk * 2 + block_d * 2 + NP * 4 + _coef_cols(n) * 4 + 5 * NP * 2)
-    return num_stages * per_stage + 3 * NP * bk * 2 + 2 * block_t * bk * 2
+    tiles = block_t * (bk * 2 + block_d * 2 + NP * 4 + _coef_cols(n) * 4)
+    return num_stages * tiles + 3 * NP * bk * 2 + block_t * bk * 2 + block_t * 5 * NP * 2
 
 
 def _stats_stages(n: int, block_t: int, block_d: int) -> int:
