@@ -308,16 +308,6 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             acc_s[g, j] = T.if_then_else(c0 + j < n, acc_s[g, j], _NEG)
 
     @T.macro
-    def chunk_scores(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, k_s, k_lo, q_s, q_lo, acc_s,
-                     b, h, l, top, c, off, n, n_par):
-        """Scores of chunk c (its K gathered before), with chunk c + 1's K loads in flight during the math
-        (past the last chunk: none)."""
-        store_k(kt, kx, ky, kc, ks, k_s, k_lo, top)
-        gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, top, (c + 1) * block_n, off, n,
-                 n_par)
-        scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
-
-    @T.macro
     def rescale(acc_o, s_part, m_run, m_new):
         """Move the online-softmax state (acc_o, s_part) from reference m_run to m_new >= m_run."""
         for g, d in T.Parallel(GP, V):
@@ -424,8 +414,11 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                     gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
                              0, off, n, n_par)
                     for c in T.serial(chunks):
-                        chunk_scores(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, k_s, k_lo, q_s, q_lo,
-                                     acc_s, b, h, l, l == num_layers - 1, c, off, n, n_par)
+                        store_k(kt, kx, ky, kc, ks, k_s, k_lo, l == num_layers - 1)
+                        # the next chunk's loads fly during this chunk's math (past the last: none)
+                        gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                                 (c + 1) * block_n, off, n, n_par)
+                        scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
                         for g, j in T.Parallel(GP, block_n):
                             _lse_update(m_part, l_part, g, j, acc_s[g, j])
                     _lse_finish(m_part, l_part, m_new, lse)
@@ -434,8 +427,11 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                     gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
                              0, off, n, n_par)
                     for c in T.serial(chunks):
-                        chunk_scores(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, k_s, k_lo, q_s, q_lo,
-                                     acc_s, b, h, l, l == num_layers - 1, c, off, n, n_par)
+                        store_k(kt, kx, ky, kc, ks, k_s, k_lo, l == num_layers - 1)
+                        # the next chunk's loads fly during this chunk's math (past the last: none)
+                        gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
+                                 (c + 1) * block_n, off, n, n_par)
+                        scores(q_s, q_lo, k_s, k_lo, acc_s, c * block_n, n)
                         for g, j in T.Parallel(GP, block_n):
                             pr = T.exp2(acc_s[g, j] - lse[g])
                             prob_s[g, j] = T.if_then_else(pr < _FLT_MIN, 0.0, pr)
