@@ -32,6 +32,11 @@ def phi_split_rows(n: int) -> int:
     return _round_up(n * n + 2 * n, 16)
 
 
+def _thread_choices(block_t: int) -> list[int]:
+    """Threads of the mix kernel for a token tile: at most one warpgroup per 64 tokens (a wgmma's M)."""
+    return [t for t in (128, 256) if t <= 2 * block_t]
+
+
 def mhc_phi_split_kernel(n: int, D: int, block_d: int = _D_PAD, threads: int = 128):
     """phi fp32 [N, n*D] -> bf16 hi and lo parts [NG, n, Dp], NG = phi_split_rows(n) and Dp = D rounded
     up to _D_PAD: rows N..NG-1 and columns D..Dp-1 are zero."""
@@ -160,10 +165,8 @@ class MHCForwardPreTileLang:
 
     @staticmethod
     def config_space(n: int, D: int, **_) -> list[dict]:
-        # One warpgroup per 64 tokens at most: a wgmma's M is 64.
         return [dict(block_t=bt, block_k=bk, num_stages=st, threads=th)
-                for bt in (64, 128) for bk in (64, 128) for st in (2, 3, 4) for th in (128, 256)
-                if th <= 2 * bt]
+                for bt in (64, 128) for bk in (64, 128) for st in (2, 3, 4) for th in _thread_choices(bt)]
 
     def __init__(self, B: int, S: int, n: int, D: int, rms_eps: float = 1e-6, hc_eps: float = 1e-6,
                  config: dict | None = None):
@@ -180,7 +183,7 @@ class MHCForwardPreTileLang:
         check_int("config['block_t']", self.config["block_t"], lo=64, hi=128, multiple_of=64)
         check_int("config['block_k']", self.config["block_k"], lo=64, hi=_D_PAD, multiple_of=64)
         check_int("config['num_stages']", self.config["num_stages"], lo=1, hi=4)
-        check_choice("config['threads']", self.config["threads"], [t for t in (128, 256) if t <= 2 * self.config["block_t"]])
+        check_choice("config['threads']", self.config["threads"], _thread_choices(self.config["block_t"]))
         self._split = compile_kernel(mhc_phi_split_kernel(n, D))
         self._mix = compile_kernel(mhc_pre_mix_kernel(**self.spec, **self.config))
         self._apply = compile_kernel(mhc_pre_apply_kernel(n, D))
