@@ -13,15 +13,19 @@ sorted by decreasing KV length so the longest tiles start first (load balance ov
 batches). The grid is an upper bound on the tile count, `(total_q + num_seqs * (tokens - 1)) //
 tokens`; spare CTAs exit at once.
 
-K/V tiles are loaded by whole pages when block_size >= _PAGE_LOADS_FROM (32): one TMA copy per page (or per
-`block_N` slice of a larger page) and 128-byte column band, addressed through the block table.
-The KV loop has no data-dependent branch around it (an idle tile runs zero steps), so TileLang
-warp-specializes it: a producer warpgroup issues the TMA copies into a 2-stage mbarrier ring
-while the consumer warpgroups compute. Pages past the sequence's last one repeat it (the table
-entries there may be invalid), and V rows past the sequence end are zeroed in shared memory
-(P is 0 there, but the slots may hold NaN). Smaller pages are gathered row by row with cp.async,
-the position clamped to the sequence's last token. The causal mask (and ALiBi bias) is applied
-to the scores; KV tiles past the diagonal of the query tile are never visited.
+Two kernels share that plan:
+- `paged_prefill_ws_kernel` (fp16/bf16, pages of >= 16 rows), FlashAttention-3 style: a producer
+  warpgroup loads whole pages of K and V by TMA (one copy per page, or `block_N` slice of a larger
+  page, and 128-byte column band) into a ring of `num_stages` buffers, one full / free mbarrier
+  pair per buffer; two consumer warpgroups (64 query rows each) issue the scores of KV tile j and
+  the P @ V product of tile j-1 together, so the softmax of tile j overlaps that product on the
+  tensor cores. The causal mask is applied only to tiles that cross the diagonal.
+- `paged_prefill_gather_kernel` (fp32 as TF32, whose P goes through shared memory; pages under 16
+  rows, gathered row by row with cp.async): one software pipeline, TileLang warp-specializes its
+  whole-page loads (pages of >= 32 rows) on its own.
+Pages past the sequence's last one repeat it (the table entries there may be invalid); positions
+past the sequence end are masked, and their V rows zeroed in shared memory (P is 0 there, but the
+slots may hold NaN). KV tiles past the diagonal of the query tile are never visited.
 """
 
 
@@ -37,10 +41,14 @@ _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: 
 _HEAD_SIZES = (64, 128, 256)
 _BITS = {"float16": 16, "bfloat16": 16, "float32": 32}
 _LOG2E = 1.4426950408889634
-# Page size from which K/V tiles are loaded by whole-page TMA copies. At 16 rows a 128-row tile
-# needs 32 copies per KV step (8 pages x 2 column bands x K/V), each with its own mbarrier pair, and
-# the row gathers win (H200, same run: (b) bs16 311 vs 250 TFLOP/s, bs32 313 vs 355, bs64 313 vs 378).
+# The gather kernel loads K/V by whole pages (TMA) from this page size on, and gathers rows below it
+# (H200, same run, 16-row pages: rows 311 vs pages 250 TFLOP/s, each page copy with its own mbarrier).
 _PAGE_LOADS_FROM = 32
+# The warp-specialized kernel takes pages from 16 rows (one mbarrier per stage for all its copies).
+_WS_PAGES_FROM = 16
+_WS_BLOCK_M = 128  # two consumer warpgroups of 64 query rows
+_WS_THREADS = 384  # producer warpgroup + 2 consumer warpgroups
+_WS_SMEM_LIMIT = 220 * 1024  # of the 227 KB a CTA may use; the rest is barriers and alignment
 
 
 def head_pack(num_heads: int, num_kv_heads: int, block_M: int) -> int:
@@ -50,46 +58,242 @@ def head_pack(num_heads: int, num_kv_heads: int, block_M: int) -> int:
     return max(d for d in range(1, groups + 1) if groups % d == 0 and d <= max(1, block_M // 16))
 
 
-def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
-                         dtype: str, use_alibi: bool, kv_layout: str, scale: float,
-                         block_M: int = 128, block_N: int = 128, num_stages: int = 1, threads: int = 256):
-    """Causal paged attention over a schedule of query tiles (see the module docstring).
+def warp_specialized(dtype: str, block_size: int) -> bool:
+    """Which kernel serves a specialization (module docstring)."""
+    return dtype != "float32" and block_size >= _WS_PAGES_FROM
 
-    Tile t covers query tokens [TileQ0[t], TileQ0[t] + block_M // pack) of sequence TileSeq[t]
-    (< 0: idle), for `pack` query heads of one kv head: M-row r is token r // pack, head r % pack."""
-    groups = num_heads // num_kv_heads
-    pack = head_pack(num_heads, num_kv_heads, block_M)
-    tokens = block_M // pack  # per tile; rows past tokens * pack are padding
-    total_q, num_seqs, num_blocks, max_blocks, num_tiles = T.dynamic(
-        "total_q, num_seqs, num_blocks, max_blocks, num_tiles")
-    if kv_layout == "HND":
-        kv_shape = (num_blocks, num_kv_heads, block_size, head_size)
-    else:
-        kv_shape = (num_blocks, block_size, num_kv_heads, head_size)
-    q_shape = (total_q, num_heads, head_size)
-    accum = "float32"
-    scale_log2 = scale * _LOG2E  # scores live in the log2 domain: exp2 is one instruction
-    paged = block_size >= _PAGE_LOADS_FROM  # whole-page (TMA) loads; smaller pages are gathered row by row
-    pages = list(range(max(1, block_N // block_size)))  # page copies per KV tile (Python-unrolled)
-    rows_per_copy = min(block_size, block_N)
-    band = min(head_size, 1024 // _BITS[dtype])  # 128 bytes: the widest TMA box of a swizzled tile
-    bands = list(range(0, head_size, band))
 
-    def page_rows(kt, p):
-        off = (kt * block_N + p * rows_per_copy) % block_size
-        return slice(off, off + rows_per_copy)
+class _TilePlan:
+    """What both kernels share: shapes, the query tile of a CTA, page copies, mask, softmax and the
+    output store. M-row r of a tile is token r // pack, head r % pack."""
 
-    @T.macro
-    def load_pages(cache, dst, blocks, kv_head, kt):
-        # One bulk copy per (page or block_N slice of a page, 128-byte column band): a band is one
-        # contiguous run of the swizzled shared tile, as the TMA lowering requires.
-        for p in pages:
-            for c in bands:
-                dst_rows = slice(p * rows_per_copy, (p + 1) * rows_per_copy)
-                if kv_layout == "HND":
-                    T.copy(cache[blocks[p], kv_head, page_rows(kt, p), c:c + band], dst[dst_rows, c:c + band])
+    def __init__(self, num_heads, num_kv_heads, head_size, block_size, dtype, use_alibi, kv_layout, scale,
+                 block_M, block_N):
+        self.groups = num_heads // num_kv_heads
+        self.pack = pack = head_pack(num_heads, num_kv_heads, block_M)
+        self.tokens = block_M // pack  # per tile; rows past tokens * pack are padding
+        self.dims = T.dynamic("total_q, num_seqs, num_blocks, max_blocks, num_tiles")
+        total_q, _, num_blocks, _, _ = self.dims
+        self.kv_shape = ((num_blocks, num_kv_heads, block_size, head_size) if kv_layout == "HND" else
+                         (num_blocks, block_size, num_kv_heads, head_size))
+        self.q_shape = (total_q, num_heads, head_size)
+        self.pages = list(range(max(1, block_N // block_size)))  # page copies per KV tile (Python-unrolled)
+        self.rows_per_copy = rows_per_copy = min(block_size, block_N)
+        band = min(head_size, 1024 // _BITS[dtype])  # 128 bytes: the widest TMA box of a swizzled tile
+        accum = "float32"
+        scale_log2 = scale * _LOG2E  # exp2 is one instruction: softmax runs in the log2 domain
+
+        def page_rows(kt, p):
+            off = (kt * block_N + p * rows_per_copy) % block_size
+            return slice(off, off + rows_per_copy)
+
+        def page_ids(BlockTables, seq, kv_len, kt):
+            # Pages past the sequence's last one repeat it (table entries there may be invalid).
+            return [BlockTables[seq, T.min(kt * block_N + p * rows_per_copy, kv_len - 1) // block_size]
+                    for p in self.pages]
+        self.page_ids = page_ids
+
+        @T.macro
+        def load_pages(cache, dst, blocks, kv_head, kt):
+            # One bulk copy per (page or block_N slice of a page, 128-byte column band): a band is one
+            # contiguous run of the swizzled shared tile, as the TMA lowering requires. `dst` is a
+            # [block_N, head_size] tile (T.copy: TileLang adds the mbarriers) or, with `bars`, stage
+            # `st` of a ring whose copies all complete on bars[st].
+            for p in self.pages:
+                for c in range(0, head_size, band):
+                    rows = slice(p * rows_per_copy, (p + 1) * rows_per_copy)
+                    if kv_layout == "HND":
+                        T.copy(cache[blocks[p], kv_head, page_rows(kt, p), c:c + band], dst[rows, c:c + band])
+                    else:
+                        T.copy(cache[blocks[p], page_rows(kt, p), kv_head, c:c + band], dst[rows, c:c + band])
+        self.load_pages = load_pages
+
+        @T.macro
+        def load_pages_async(cache, ring, st, bars, blocks, kv_head, kt):
+            for p in self.pages:
+                for c in range(0, head_size, band):
+                    rows = slice(p * rows_per_copy, (p + 1) * rows_per_copy)
+                    if kv_layout == "HND":
+                        T.tma_copy(cache[blocks[p], kv_head, page_rows(kt, p), c:c + band],
+                                   ring[st, rows, c:c + band], barrier=bars[st])
+                    else:
+                        T.tma_copy(cache[blocks[p], page_rows(kt, p), kv_head, c:c + band],
+                                   ring[st, rows, c:c + band], barrier=bars[st])
+        self.load_pages_async = load_pages_async
+
+        @T.macro
+        def load_q(Q, q_s, q_begin, q0, q_len, head0):
+            for i, d in T.Parallel(block_M, head_size):  # tokens past q_len repeat its last one
+                q_s[i, d] = Q[q_begin + T.max(T.min(q0 + i // pack, q_len - 1), 0), head0 + i % pack, d]
+        self.load_q = load_q
+
+        @T.macro
+        def mask_scores(acc_s, slope, kt, pos0):
+            # Causal mask (and ALiBi, in units of raw scores: slope = alibi slope / scale).
+            for i, j in T.Parallel(block_M, block_N):
+                rel = kt * block_N + j - (pos0 + i // pack)  # t - (history + token): visible if <= 0
+                if use_alibi:
+                    acc_s[i, j] = T.if_then_else(rel <= 0, acc_s[i, j] + slope[i] * rel, -T.infinity(accum))
                 else:
-                    T.copy(cache[blocks[p], page_rows(kt, p), kv_head, c:c + band], dst[dst_rows, c:c + band])
+                    acc_s[i, j] = T.if_then_else(rel <= 0, acc_s[i, j], -T.infinity(accum))
+        self.mask_scores = mask_scores
+
+        @T.macro
+        def softmax_step(acc_s, m_cur, m_prev, rescale, row_sum, denom):
+            # Online softmax of raw scores: P = exp2(scale_log2 * (s - m)), one FFMA + EX2 per score.
+            # Every valid row has a finite score in KV tile 0, so the running max is finite from then on.
+            T.copy(m_cur, m_prev)
+            T.reduce_max(acc_s, m_cur, dim=1, clear=False)
+            for i in T.Parallel(block_M):
+                rescale[i] = T.exp2((m_prev[i] - m_cur[i]) * scale_log2)
+            for i, j in T.Parallel(block_M, block_N):
+                acc_s[i, j] = T.exp2(acc_s[i, j] * scale_log2 - m_cur[i] * scale_log2)
+            T.reduce_sum(acc_s, row_sum, dim=1)
+            for i in T.Parallel(block_M):
+                denom[i] = denom[i] * rescale[i] + row_sum[i]
+        self.softmax_step = softmax_step
+
+        @T.macro
+        def zero_v_tail(v_s, kt, kv_len, st=None):
+            # Page slots past the sequence end may hold anything (NaN): P is 0 there, but 0 * NaN is not.
+            # `v_s` is a [block_N, head_size] tile, or a ring with `st` its stage.
+            for j, d in T.Parallel(block_N, head_size):
+                idx = (j, d) if st is None else (st, j, d)
+                v_s[idx] = T.if_then_else(kt * block_N + j < kv_len, v_s[idx], T.cast(0, dtype))
+        self.zero_v_tail = zero_v_tail
+
+        @T.macro
+        def store_out(Out, acc_o, denom, q_begin, q0, head0, rows):
+            for i, d in T.Parallel(block_M, head_size):
+                if i // pack < rows:
+                    Out[q_begin + q0 + i // pack, head0 + i % pack, d] = T.cast(acc_o[i, d] / denom[i], dtype)
+        self.store_out = store_out
+
+    def tile(self, TileSeq, TileQ0, CumSeqLensQ, SeqLens, tile, head_group):
+        """The CTA's query tile: (busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows).
+        An idle tile reads sequence 0's scalars, runs zero KV steps and writes nothing."""
+        busy = TileSeq[tile] >= 0
+        seq = T.max(TileSeq[tile], 0)
+        head0 = head_group * self.pack
+        q0 = TileQ0[tile]
+        q_begin = CumSeqLensQ[seq]
+        q_len = CumSeqLensQ[seq + 1] - q_begin
+        kv_len = SeqLens[seq]
+        pos0 = kv_len - q_len + q0  # KV position of the tile's first query row
+        rows = T.if_then_else(busy, T.min(self.tokens, q_len - q0), 0)  # valid tokens in this tile
+        return busy, seq, head0 // self.groups, head0, q_begin, q_len, q0, kv_len, pos0, rows
+
+
+def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: str,
+                            use_alibi: bool, kv_layout: str, scale: float, block_N: int = 128, num_stages: int = 2):
+    """Warp-specialized causal paged attention (module docstring), fp16/bf16, pages of >= 16 rows."""
+    block_M = _WS_BLOCK_M
+    plan = _TilePlan(num_heads, num_kv_heads, head_size, block_size, dtype, use_alibi, kv_layout, scale,
+                     block_M, block_N)
+    total_q, num_seqs, num_blocks, max_blocks, num_tiles = plan.dims
+    accum = "float32"
+
+    @T.prim_func
+    def paged_prefill_ws(
+        Q: T.Tensor(plan.q_shape, dtype),
+        KCache: T.Tensor(plan.kv_shape, dtype),
+        VCache: T.Tensor(plan.kv_shape, dtype),
+        BlockTables: T.Tensor((num_seqs, max_blocks), "int32"),
+        SeqLens: T.Tensor((num_seqs,), "int32"),
+        CumSeqLensQ: T.Tensor((num_seqs + 1,), "int32"),
+        AlibiSlopes: T.Tensor((num_heads,), "float32"),
+        TileSeq: T.Tensor((num_tiles,), "int32"),
+        TileQ0: T.Tensor((num_tiles,), "int32"),
+        Out: T.Tensor(plan.q_shape, dtype),
+    ):
+        with T.Kernel(num_heads // plan.pack, num_tiles, threads=_WS_THREADS) as (head_group, tile):
+            q_s = T.alloc_shared((block_M, head_size), dtype)
+            k_ring = T.alloc_shared((num_stages, block_N, head_size), dtype)
+            v_ring = T.alloc_shared((num_stages, block_N, head_size), dtype)
+            k_full = T.alloc_barrier([128] * num_stages)  # producer threads arrive, TMA bytes complete it
+            v_full = T.alloc_barrier([128] * num_stages)
+            k_free = T.alloc_barrier([256] * num_stages)  # consumer threads arrive when done reading
+            v_free = T.alloc_barrier([256] * num_stages)
+            acc_s = T.alloc_fragment((block_M, block_N), accum)
+            acc_p = T.alloc_fragment((block_M, block_N), dtype)
+            acc_o = T.alloc_fragment((block_M, head_size), accum)
+            m_prev = T.alloc_fragment((block_M,), accum)
+            m_cur = T.alloc_fragment((block_M,), accum)
+            rescale = T.alloc_fragment((block_M,), accum)
+            row_sum = T.alloc_fragment((block_M,), accum)
+            denom = T.alloc_fragment((block_M,), accum)
+            slope = T.alloc_fragment((block_M,), accum)
+
+            busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = plan.tile(
+                TileSeq, TileQ0, CumSeqLensQ, SeqLens, tile, head_group)
+            steps = T.if_then_else(busy, T.ceildiv(pos0 + rows, block_N), 0)
+            tx = T.get_thread_binding()
+
+            if tx >= 256:  # producer warpgroup: K and V pages of every KV step into the rings
+                T.set_max_nreg(24, 0)
+                for kt in T.serial(steps):
+                    st = kt % num_stages
+                    phase = (kt // num_stages) % 2
+                    blocks = plan.page_ids(BlockTables, seq, kv_len, kt)
+                    T.barrier_wait(k_free[st], phase ^ 1)
+                    plan.load_pages_async(KCache, k_ring, st, k_full, blocks, kv_head, kt)
+                    T.barrier_arrive(k_full[st])
+                    T.barrier_wait(v_free[st], phase ^ 1)
+                    plan.load_pages_async(VCache, v_ring, st, v_full, blocks, kv_head, kt)
+                    T.barrier_arrive(v_full[st])
+            else:  # consumer warpgroups: 64 query rows each
+                T.set_max_nreg(240, 1)
+                plan.load_q(Q, q_s, q_begin, q0, q_len, head0)
+                if use_alibi:
+                    for i in T.Parallel(block_M):
+                        slope[i] = AlibiSlopes[head0 + i % plan.pack] / scale
+                T.fill(acc_o, 0)
+                T.fill(denom, 0)
+                T.fill(m_cur, -T.infinity(accum))
+                for kt in T.serial(steps):
+                    # Scores of step kt, then P @ V of step kt-1 behind them: the softmax below
+                    # runs while the tensor cores finish that product.
+                    st = kt % num_stages
+                    prev = (kt + num_stages - 1) % num_stages
+                    T.barrier_wait(k_full[st], (kt // num_stages) % 2)
+                    T.wgmma_gemm(q_s, k_ring[st, :, :], acc_s, transpose_B=True, clear_accum=True,
+                                 policy=T.GemmWarpPolicy.FullRow)
+                    if kt > 0:
+                        T.barrier_wait(v_full[prev], ((kt - 1) // num_stages) % 2)
+                        T.wgmma_gemm(acc_p, v_ring[prev, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                        T.wait_wgmma(1)
+                    else:
+                        T.wait_wgmma(0)
+                    T.barrier_arrive(k_free[st])
+                    if use_alibi or (kt + 1) * block_N > pos0 + 1:  # the tile crosses the diagonal
+                        plan.mask_scores(acc_s, slope, kt, pos0)
+                    plan.softmax_step(acc_s, m_cur, m_prev, rescale, row_sum, denom)
+                    T.wait_wgmma(0)
+                    if kt > 0:
+                        T.barrier_arrive(v_free[prev])
+                    for i, d in T.Parallel(block_M, head_size):
+                        acc_o[i, d] *= rescale[i]
+                    T.copy(acc_s, acc_p)
+                if steps > 0:  # P @ V of the last step
+                    last = (steps - 1) % num_stages
+                    T.barrier_wait(v_full[last], ((steps - 1) // num_stages) % 2)
+                    if steps * block_N > kv_len:
+                        plan.zero_v_tail(v_ring, steps - 1, kv_len, last)
+                    T.gemm(acc_p, v_ring[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                plan.store_out(Out, acc_o, denom, q_begin, q0, head0, rows)
+
+    return paged_prefill_ws
+
+
+def paged_prefill_gather_kernel(num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
+                                dtype: str, use_alibi: bool, kv_layout: str, scale: float,
+                                block_M: int = 128, block_N: int = 128, num_stages: int = 1, threads: int = 256):
+    """Causal paged attention with one software pipeline (module docstring): fp32 and small pages."""
+    plan = _TilePlan(num_heads, num_kv_heads, head_size, block_size, dtype, use_alibi, kv_layout, scale,
+                     block_M, block_N)
+    total_q, num_seqs, num_blocks, max_blocks, num_tiles = plan.dims
+    accum = "float32"
+    paged = block_size >= _PAGE_LOADS_FROM  # whole-page (TMA) loads; smaller pages are gathered row by row
 
     @T.macro
     def gather_rows(cache, dst, tables, seq, kv_head, kv_len, kt):
@@ -103,18 +307,18 @@ def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, bloc
 
     @T.prim_func
     def paged_prefill(
-        Q: T.Tensor(q_shape, dtype),
-        KCache: T.Tensor(kv_shape, dtype),
-        VCache: T.Tensor(kv_shape, dtype),
+        Q: T.Tensor(plan.q_shape, dtype),
+        KCache: T.Tensor(plan.kv_shape, dtype),
+        VCache: T.Tensor(plan.kv_shape, dtype),
         BlockTables: T.Tensor((num_seqs, max_blocks), "int32"),
         SeqLens: T.Tensor((num_seqs,), "int32"),
         CumSeqLensQ: T.Tensor((num_seqs + 1,), "int32"),
         AlibiSlopes: T.Tensor((num_heads,), "float32"),
         TileSeq: T.Tensor((num_tiles,), "int32"),
         TileQ0: T.Tensor((num_tiles,), "int32"),
-        Out: T.Tensor(q_shape, dtype),
+        Out: T.Tensor(plan.q_shape, dtype),
     ):
-        with T.Kernel(num_heads // pack, num_tiles, threads=threads) as (head_group, tile):
+        with T.Kernel(num_heads // plan.pack, num_tiles, threads=threads) as (head_group, tile):
             q_s = T.alloc_shared((block_M, head_size), dtype)
             k_s = T.alloc_shared((block_N, head_size), dtype)
             v_s = T.alloc_shared((block_N, head_size), dtype)
@@ -131,88 +335,58 @@ def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, bloc
             denom = T.alloc_fragment((block_M,), accum)
             slope = T.alloc_fragment((block_M,), accum)
 
-            # No branch on idle tiles around the KV loop (it would keep the loads from being
-            # pipelined): an idle tile reads sequence 0's scalars, runs zero KV steps and
-            # writes nothing.
-            busy = TileSeq[tile] >= 0
-            seq = T.max(TileSeq[tile], 0)
-            head0 = head_group * pack
-            kv_head = head0 // groups
-            q0 = TileQ0[tile]
-            q_begin = CumSeqLensQ[seq]
-            q_len = CumSeqLensQ[seq + 1] - q_begin
-            kv_len = SeqLens[seq]
-            pos0 = kv_len - q_len + q0  # KV position of the tile's first query row
-            rows = T.if_then_else(busy, T.min(tokens, q_len - q0), 0)  # valid tokens in this tile
-
-            for i, d in T.Parallel(block_M, head_size):  # tokens past q_len repeat its last one
-                q_s[i, d] = Q[q_begin + T.max(T.min(q0 + i // pack, q_len - 1), 0), head0 + i % pack, d]
+            # No branch on idle tiles around the KV loop (it would keep the loads from being pipelined).
+            busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = plan.tile(
+                TileSeq, TileQ0, CumSeqLensQ, SeqLens, tile, head_group)
+            plan.load_q(Q, q_s, q_begin, q0, q_len, head0)
             if use_alibi:
                 for i in T.Parallel(block_M):
-                    slope[i] = AlibiSlopes[head0 + i % pack] * _LOG2E
+                    slope[i] = AlibiSlopes[head0 + i % plan.pack] / scale
             T.fill(acc_o, 0)
             T.fill(denom, 0)
             T.fill(m_cur, -T.infinity(accum))
 
             for kt in T.Pipelined(T.if_then_else(busy, T.ceildiv(pos0 + rows, block_N), 0), num_stages=num_stages):
-                # One KV tile: scores, online-softmax update, accumulate P @ V.
                 if paged:
                     # The page ids are the loop body's leading bindings: the warp-specialization
                     # pass keeps those in the producer branch (read once for K and V, ahead of
-                    # the copies). Pages past the sequence's last one repeat it (table entries
-                    # there may be invalid); those rows are masked.
-                    blocks = []
-                    for p in pages:
-                        blk = BlockTables[seq, T.min(kt * block_N + p * rows_per_copy, kv_len - 1) // block_size]
-                        blocks.append(blk)
-                    load_pages(KCache, k_s, blocks, kv_head, kt)
-                    load_pages(VCache, v_s, blocks, kv_head, kt)
+                    # the copies).
+                    blocks = plan.page_ids(BlockTables, seq, kv_len, kt)
+                    plan.load_pages(KCache, k_s, blocks, kv_head, kt)
+                    plan.load_pages(VCache, v_s, blocks, kv_head, kt)
                 else:
                     gather_rows(KCache, k_s, BlockTables, seq, kv_head, kv_len, kt)
                 T.clear(acc_s)
                 T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(block_M, block_N):
-                    rel = kt * block_N + j - (pos0 + i // pack)  # t - (history + token): visible if <= 0
-                    if use_alibi:
-                        acc_s[i, j] = T.if_then_else(rel <= 0, acc_s[i, j] * scale_log2 + slope[i] * rel,
-                                                     -T.infinity(accum))
-                    else:
-                        acc_s[i, j] = T.if_then_else(rel <= 0, acc_s[i, j] * scale_log2,
-                                                     -T.infinity(accum))
-                # Online softmax: every valid row has a finite score in KV tile 0, so the
-                # running max is finite from then on.
-                T.copy(m_cur, m_prev)
-                T.reduce_max(acc_s, m_cur, dim=1, clear=False)
-                for i in T.Parallel(block_M):
-                    rescale[i] = T.exp2(m_prev[i] - m_cur[i])
-                for i, j in T.Parallel(block_M, block_N):
-                    acc_s[i, j] = T.exp2(acc_s[i, j] - m_cur[i])
-                T.reduce_sum(acc_s, row_sum, dim=1)
-                for i in T.Parallel(block_M):
-                    denom[i] = denom[i] * rescale[i] + row_sum[i]
+                plan.mask_scores(acc_s, slope, kt, pos0)
+                plan.softmax_step(acc_s, m_cur, m_prev, rescale, row_sum, denom)
                 T.copy(acc_s, acc_p)
                 for i, d in T.Parallel(block_M, head_size):
                     acc_o[i, d] *= rescale[i]
                 if paged:
                     if (kt + 1) * block_N > kv_len:
-                        # Page slots past the sequence end may hold anything (NaN): P is 0 there,
-                        # but 0 * NaN is not, so those V rows are zeroed.
-                        for j, d in T.Parallel(block_N, head_size):
-                            v_s[j, d] = T.if_then_else(kt * block_N + j < kv_len, v_s[j, d], T.cast(0, dtype))
+                        plan.zero_v_tail(v_s, kt, kv_len)
                 else:
                     gather_rows(VCache, v_s, BlockTables, seq, kv_head, kv_len, kt)
                 T.gemm(acc_p, v_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
 
-            for i, d in T.Parallel(block_M, head_size):
-                if i // pack < rows:
-                    Out[q_begin + q0 + i // pack, head0 + i % pack, d] = T.cast(acc_o[i, d] / denom[i], dtype)
+            plan.store_out(Out, acc_o, denom, q_begin, q0, head0, rows)
 
     return paged_prefill
 
 
+def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: str,
+                         use_alibi: bool, kv_layout: str, scale: float, **config):
+    """The kernel of a specialization (`warp_specialized` picks the family) with its config."""
+    build = paged_prefill_ws_kernel if warp_specialized(dtype, block_size) else paged_prefill_gather_kernel
+    return build(num_heads, num_kv_heads, head_size, block_size, dtype, use_alibi, kv_layout, scale, **config)
+
+
 def _default_config(head_size: int, dtype: str, block_size: int = 16) -> dict:
-    """Tiles that fit shared memory (Q, plus K and V per pipeline stage) and registers. Whole-page
-    (TMA) loads run two stages; the row gathers of smaller pages do not lower with two."""
+    """Tiles that fit shared memory (Q, plus K and V per pipeline stage) and registers."""
+    if warp_specialized(dtype, block_size):  # Q + 2 stages of K and V: 160 KB, 192 KB at head_size 256
+        return {"block_N": 64 if head_size == 256 else 128, "num_stages": 2}
+    # Whole-page (TMA) loads run two stages; the row gathers of smaller pages do not lower with two.
     stages = 2 if block_size >= _PAGE_LOADS_FROM else 1
     if dtype == "float32":
         return {"block_M": 64, "block_N": 32 if head_size == 256 else 64, "num_stages": stages, "threads": 128}
@@ -246,9 +420,14 @@ class PagedAttentionPrefillTileLang:
 
     @staticmethod
     def config_space(**spec) -> list[dict]:
+        head_size, dtype, block_size = spec.get("head_size", 128), spec.get("dtype", "bfloat16"), spec.get("block_size", 16)
+        if warp_specialized(dtype, block_size):
+            # Q plus num_stages x (K and V tiles) within shared memory.
+            return [{"block_N": n, "num_stages": s} for n in (64, 128) for s in (2, 3)
+                    if (_WS_BLOCK_M + 2 * s * n) * head_size * 2 <= _WS_SMEM_LIMIT]
         # Two software-pipeline stages do not lower with the row-gather loads (small pages).
-        stages = (1, 2) if spec.get("block_size", 16) >= _PAGE_LOADS_FROM else (0, 1)
-        big = spec.get("head_size", 128) == 256 or spec.get("dtype") == "float32"
+        stages = (1, 2) if block_size >= _PAGE_LOADS_FROM else (0, 1)
+        big = head_size == 256 or dtype == "float32"
         tiles = ([(64, 64, 128), (64, 32, 128)] if big else
                  [(128, 128, 256), (128, 64, 256), (64, 128, 128), (64, 64, 128)])
         return [{"block_M": m, "block_N": n, "num_stages": s, "threads": t} for m, n, t in tiles for s in stages]
@@ -271,6 +450,8 @@ class PagedAttentionPrefillTileLang:
         scale = head_size ** -0.5 if scale is None else scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
             raise TypeError(f"scale: expected a finite float, got {scale!r}")
+        if scale <= 0:  # the softmax takes its running max on unscaled scores
+            raise ValueError(f"scale: expected a positive value, got {scale!r}")
         self.num_heads, self.num_kv_heads, self.head_size, self.block_size = (
             num_heads, num_kv_heads, head_size, block_size)
         self.dtype, self.use_alibi, self.kv_layout, self.validate = dtype, use_alibi, kv_layout, validate
@@ -336,7 +517,8 @@ class PagedAttentionPrefillTileLang:
     # ------------------------------------------------------------------ launch
     def schedule(self, total_q: int, seq_lens: torch.Tensor, cum_seq_lens_q: torch.Tensor):
         """Query tiles -> (sequence or -1, first query row), longest KV first; on the device."""
-        block_m = self.config["block_M"] // head_pack(self.num_heads, self.num_kv_heads, self.config["block_M"])
+        tile_m = self.config.get("block_M", _WS_BLOCK_M)
+        block_m = tile_m // head_pack(self.num_heads, self.num_kv_heads, tile_m)
         num_seqs = seq_lens.shape[0]
         q_lens = cum_seq_lens_q[1:] - cum_seq_lens_q[:-1]
         tiles = (q_lens + block_m - 1) // block_m

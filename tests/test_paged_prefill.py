@@ -130,6 +130,7 @@ def test_golden_keeps_dtype():
     (dict(num_kv_heads=0), ValueError, "num_kv_heads"),
     (dict(use_alibi=1), TypeError, "use_alibi"),
     (dict(scale=float("inf")), TypeError, "scale"),
+    (dict(scale=-0.1), ValueError, "scale: expected a positive value"),
 ])
 def test_constructor_rejects(kwargs, err, match):
     args = dict(num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=torch.bfloat16)
@@ -248,12 +249,15 @@ def test_value_checks(op, mutate, match):
 
 
 # ----------------------------------------------------------------------------- compile-only
-# Every dtype, head size 64/128/256, block size 1/16/64, both layouts and ALiBi on/off, once each.
+# Every dtype, head size 64/128/256, block size 1/16/64, both layouts and ALiBi on/off, once each, and
+# both kernel families (warp-specialized: 16-bit with pages >= 16 rows; gather: fp32 or small pages).
 COMPILE_SPECS = [
     dict(num_heads=4, num_kv_heads=4, head_size=64, block_size=1, dtype=torch.float16, use_alibi=False,
          kv_layout="HND"),
     VALIDATION_SPEC,
     dict(num_heads=4, num_kv_heads=1, head_size=256, block_size=64, dtype=torch.float32, use_alibi=False,
+         kv_layout="HND"),
+    dict(num_heads=8, num_kv_heads=1, head_size=256, block_size=64, dtype=torch.float16, use_alibi=False,
          kv_layout="HND"),
 ]
 
@@ -262,4 +266,17 @@ COMPILE_SPECS = [
 @pytest.mark.parametrize("spec", COMPILE_SPECS, ids=lambda s: f"{s['dtype']}-d{s['head_size']}-b{s['block_size']}")
 def test_compiles_for_sm90a(spec):
     op = PagedAttentionPrefillTileLang(**spec)
-    assert "paged_prefill" in op.kernel.get_kernel_source()
+    source = op.kernel.get_kernel_source()
+    assert "paged_prefill" in source
+    ws = ops_paged_prefill.warp_specialized(ops_paged_prefill._DTYPES[spec["dtype"]], spec["block_size"])
+    assert ("k_full" in source) == ws  # the warp-specialized kernel's mbarrier ring
+
+
+@pytest.mark.compile
+def test_ws_config_space_builds():
+    """Every warp-specialized config offered to the autotuner fits shared memory and builds."""
+    spec = dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=32, dtype=torch.bfloat16)
+    space = PagedAttentionPrefillTileLang.config_space(**dict(spec, dtype="bfloat16"))
+    assert {c["num_stages"] for c in space} == {2, 3} and {c["block_N"] for c in space} == {64, 128}
+    for config in space:
+        PagedAttentionPrefillTileLang(**spec, config=config)

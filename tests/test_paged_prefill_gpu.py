@@ -95,3 +95,14 @@ def test_value_checks_on_gpu():
     batch["seq_lens"][1] = 2
     with pytest.raises(ValueError, match="seq_lens"):
         op(**batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", PagedAttentionPrefillTileLang.config_space(head_size=64, block_size=32, dtype="bfloat16"),
+                         ids=lambda c: f"N{c['block_N']}-s{c['num_stages']}")
+def test_warp_specialized_configs(config, poisoned):
+    """Every config the autotuner may pick, on MQA (8 query heads packed per tile) with long
+    histories (the stage ring wraps many times)."""
+    spec = dict(num_heads=8, num_kv_heads=1, head_size=64, block_size=32, dtype=torch.bfloat16, kv_layout="HND",
+                config=config)
+    _run(spec, [200, 1, 0, 77, 16], [700, 0, 5, 1300, 2000], use_out=False, poisoned=poisoned)
