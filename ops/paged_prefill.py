@@ -10,16 +10,17 @@ products run on the tensor cores (fp32 inputs run as TF32).
 A query tile must know its sequence. Rather than a host-side loop (a sync), a small device-side
 schedule is built from `cum_seq_lens_q` with torch ops: tile -> (sequence, first query token),
 sorted by decreasing KV length so the longest tiles start first (load balance over ragged
-batches). The grid is an upper bound on the tile count, `(total_q + num_seqs * (tokens - 1)) //
-tokens`; spare CTAs exit at once.
+batches). The tile count is an upper bound, `(total_q + num_seqs * (tokens - 1)) // tokens`;
+spare tiles are idle (no KV steps, no output).
 
 Two kernels share that plan:
-- `paged_prefill_ws_kernel` (fp16/bf16, pages of >= 16 rows), FlashAttention-3 style: a producer
-  warpgroup loads whole pages of K and V by TMA (one copy per page, or `block_N` slice of a larger
-  page, and 128-byte column band) into a ring of `num_stages` buffers, one full / free mbarrier
-  pair per buffer; two consumer warpgroups (64 query rows each) issue the scores of KV tile j and
-  the P @ V product of tile j-1 together, so the softmax of tile j overlaps that product on the
-  tensor cores. The causal mask is applied only to tiles that cross the diagonal.
+- `paged_prefill_ws_kernel` (fp16/bf16, pages of >= 16 rows), FlashAttention-3 style and
+  persistent (one CTA per SM walks (tile, head group) items): a producer warpgroup loads whole
+  pages of K and V by TMA (one copy per page, or `block_N` slice of a larger page, and 128-byte
+  column band) into a ring of `num_stages` buffers, one full / free mbarrier pair per buffer, and
+  runs ahead into the next item; two consumer warpgroups (64 query rows each) issue the scores of
+  KV tile j and the P @ V product of tile j-1 together, so the softmax of tile j overlaps that
+  product on the tensor cores. The causal mask is applied only to tiles that cross the diagonal.
 - `paged_prefill_gather_kernel` (fp32 as TF32, whose P goes through shared memory; pages under 16
   rows, gathered row by row with cp.async): one software pipeline, TileLang warp-specializes its
   whole-page loads (pages of >= 32 rows) on its own.
@@ -48,6 +49,7 @@ _PAGE_LOADS_FROM = 32
 _WS_PAGES_FROM = 16
 _WS_BLOCK_M = 128  # two consumer warpgroups of 64 query rows
 _WS_THREADS = 384  # producer warpgroup + 2 consumer warpgroups
+_Q_BAR = 8  # named barrier of the consumer warpgroups (TileLang's own partial syncs take low ids)
 _WS_SMEM_LIMIT = 220 * 1024  # of the 227 KB a CTA may use; the rest is barriers and alignment
 
 
@@ -185,12 +187,16 @@ class _TilePlan:
 
 
 def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: str,
-                            use_alibi: bool, kv_layout: str, scale: float, block_N: int = 128, num_stages: int = 2):
-    """Warp-specialized causal paged attention (module docstring), fp16/bf16, pages of >= 16 rows."""
+                            use_alibi: bool, kv_layout: str, scale: float, num_ctas: int, block_N: int = 128,
+                            num_stages: int = 2):
+    """Warp-specialized causal paged attention (module docstring), fp16/bf16, pages of >= 16 rows.
+    Persistent: `num_ctas` CTAs (one per SM) take the (tile, head group) work items round-robin, so the
+    producer loads the next item's first K/V tiles while the consumers finish the current one."""
     block_M = _WS_BLOCK_M
     plan = _TilePlan(num_heads, num_kv_heads, head_size, block_size, dtype, use_alibi, kv_layout, scale,
                      block_M, block_N)
     total_q, num_seqs, num_blocks, max_blocks, num_tiles = plan.dims
+    head_groups = num_heads // plan.pack
     accum = "float32"
 
     @T.prim_func
@@ -206,7 +212,7 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
         TileQ0: T.Tensor((num_tiles,), "int32"),
         Out: T.Tensor(plan.q_shape, dtype),
     ):
-        with T.Kernel(num_heads // plan.pack, num_tiles, threads=_WS_THREADS) as (head_group, tile):
+        with T.Kernel(num_ctas, threads=_WS_THREADS) as cta:
             q_s = T.alloc_shared((block_M, head_size), dtype)
             k_ring = T.alloc_shared((num_stages, block_N, head_size), dtype)
             v_ring = T.alloc_shared((num_stages, block_N, head_size), dtype)
@@ -223,64 +229,76 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
             row_sum = T.alloc_fragment((block_M,), accum)
             denom = T.alloc_fragment((block_M,), accum)
             slope = T.alloc_fragment((block_M,), accum)
-
-            busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = plan.tile(
-                TileSeq, TileQ0, CumSeqLensQ, SeqLens, tile, head_group)
-            steps = T.if_then_else(busy, T.ceildiv(pos0 + rows, block_N), 0)
+            step = T.alloc_var("int32", init=0)  # KV steps done by this CTA: ring stage and phase
             tx = T.get_thread_binding()
+            # Work item w = (tile w // head_groups, head group w % head_groups): longest tiles first.
+            items = T.ceildiv(T.max(num_tiles * head_groups - cta, 0), num_ctas)
 
             if tx >= 256:  # producer warpgroup: K and V pages of every KV step into the rings
                 T.set_max_nreg(24, 0)
-                for kt in T.serial(steps):
-                    st = kt % num_stages
-                    phase = (kt // num_stages) % 2
-                    blocks = plan.page_ids(BlockTables, seq, kv_len, kt)
-                    T.barrier_wait(k_free[st], phase ^ 1)
-                    plan.load_pages_async(KCache, k_ring, st, k_full, blocks, kv_head, kt)
-                    T.barrier_arrive(k_full[st])
-                    T.barrier_wait(v_free[st], phase ^ 1)
-                    plan.load_pages_async(VCache, v_ring, st, v_full, blocks, kv_head, kt)
-                    T.barrier_arrive(v_full[st])
+                for w in T.serial(items):
+                    work = cta + w * num_ctas
+                    busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = plan.tile(
+                        TileSeq, TileQ0, CumSeqLensQ, SeqLens, work // head_groups, work % head_groups)
+                    for kt in T.serial(T.if_then_else(busy, T.ceildiv(pos0 + rows, block_N), 0)):
+                        st = step % num_stages
+                        phase = (step // num_stages) % 2
+                        blocks = plan.page_ids(BlockTables, seq, kv_len, kt)
+                        T.barrier_wait(k_free[st], phase ^ 1)
+                        plan.load_pages_async(KCache, k_ring, st, k_full, blocks, kv_head, kt)
+                        T.barrier_arrive(k_full[st])
+                        T.barrier_wait(v_free[st], phase ^ 1)
+                        plan.load_pages_async(VCache, v_ring, st, v_full, blocks, kv_head, kt)
+                        T.barrier_arrive(v_full[st])
+                        step = step + 1
             else:  # consumer warpgroups: 64 query rows each
                 T.set_max_nreg(240, 1)
-                plan.load_q(Q, q_s, q_begin, q0, q_len, head0)
-                if use_alibi:
-                    for i in T.Parallel(block_M):
-                        slope[i] = AlibiSlopes[head0 + i % plan.pack] / scale
-                T.fill(acc_o, 0)
-                T.fill(denom, 0)
-                T.fill(m_cur, -T.infinity(accum))
-                for kt in T.serial(steps):
-                    # Scores of step kt, then P @ V of step kt-1 behind them: the softmax below
-                    # runs while the tensor cores finish that product.
-                    st = kt % num_stages
-                    prev = (kt + num_stages - 1) % num_stages
-                    T.barrier_wait(k_full[st], (kt // num_stages) % 2)
-                    T.wgmma_gemm(q_s, k_ring[st, :, :], acc_s, transpose_B=True, clear_accum=True,
-                                 policy=T.GemmWarpPolicy.FullRow)
-                    if kt > 0:
-                        T.barrier_wait(v_full[prev], ((kt - 1) // num_stages) % 2)
-                        T.wgmma_gemm(acc_p, v_ring[prev, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                        T.wait_wgmma(1)
-                    else:
+                for w in T.serial(items):
+                    work = cta + w * num_ctas
+                    busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = plan.tile(
+                        TileSeq, TileQ0, CumSeqLensQ, SeqLens, work // head_groups, work % head_groups)
+                    steps = T.if_then_else(busy, T.ceildiv(pos0 + rows, block_N), 0)
+                    T.sync_threads(_Q_BAR, 256)  # both warpgroups are done with the previous item's Q
+                    plan.load_q(Q, q_s, q_begin, q0, q_len, head0)
+                    if use_alibi:
+                        for i in T.Parallel(block_M):
+                            slope[i] = AlibiSlopes[head0 + i % plan.pack] / scale
+                    T.fill(acc_o, 0)
+                    T.fill(denom, 0)
+                    T.fill(m_cur, -T.infinity(accum))
+                    for kt in T.serial(steps):
+                        # Scores of step kt, then P @ V of step kt-1 behind them: the softmax below
+                        # runs while the tensor cores finish that product.
+                        st = (step + kt) % num_stages
+                        prev = (step + kt + num_stages - 1) % num_stages
+                        T.barrier_wait(k_full[st], ((step + kt) // num_stages) % 2)
+                        T.wgmma_gemm(q_s, k_ring[st, :, :], acc_s, transpose_B=True, clear_accum=True,
+                                     policy=T.GemmWarpPolicy.FullRow)
+                        if kt > 0:
+                            T.barrier_wait(v_full[prev], ((step + kt - 1) // num_stages) % 2)
+                            T.wgmma_gemm(acc_p, v_ring[prev, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                            T.wait_wgmma(1)
+                        else:
+                            T.wait_wgmma(0)
+                        T.barrier_arrive(k_free[st])
+                        if use_alibi or (kt + 1) * block_N > pos0 + 1:  # the tile crosses the diagonal
+                            plan.mask_scores(acc_s, slope, kt, pos0)
+                        plan.softmax_step(acc_s, m_cur, m_prev, rescale, row_sum, denom)
                         T.wait_wgmma(0)
-                    T.barrier_arrive(k_free[st])
-                    if use_alibi or (kt + 1) * block_N > pos0 + 1:  # the tile crosses the diagonal
-                        plan.mask_scores(acc_s, slope, kt, pos0)
-                    plan.softmax_step(acc_s, m_cur, m_prev, rescale, row_sum, denom)
-                    T.wait_wgmma(0)
-                    if kt > 0:
-                        T.barrier_arrive(v_free[prev])
-                    for i, d in T.Parallel(block_M, head_size):
-                        acc_o[i, d] *= rescale[i]
-                    T.copy(acc_s, acc_p)
-                if steps > 0:  # P @ V of the last step
-                    last = (steps - 1) % num_stages
-                    T.barrier_wait(v_full[last], ((steps - 1) // num_stages) % 2)
-                    if steps * block_N > kv_len:
-                        plan.zero_v_tail(v_ring, steps - 1, kv_len, last)
-                    T.gemm(acc_p, v_ring[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                plan.store_out(Out, acc_o, denom, q_begin, q0, head0, rows)
+                        if kt > 0:
+                            T.barrier_arrive(v_free[prev])
+                        for i, d in T.Parallel(block_M, head_size):
+                            acc_o[i, d] *= rescale[i]
+                        T.copy(acc_s, acc_p)
+                    if steps > 0:  # P @ V of the last step
+                        last = (step + steps - 1) % num_stages
+                        T.barrier_wait(v_full[last], ((step + steps - 1) // num_stages) % 2)
+                        if steps * block_N > kv_len:
+                            plan.zero_v_tail(v_ring, steps - 1, kv_len, last)
+                        T.gemm(acc_p, v_ring[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
+                        T.barrier_arrive(v_free[last])
+                    plan.store_out(Out, acc_o, denom, q_begin, q0, head0, rows)
+                    step = step + steps
 
     return paged_prefill_ws
 
@@ -376,10 +394,14 @@ def paged_prefill_gather_kernel(num_heads: int, num_kv_heads: int, head_size: in
 
 
 def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: str,
-                         use_alibi: bool, kv_layout: str, scale: float, **config):
-    """The kernel of a specialization (`warp_specialized` picks the family) with its config."""
-    build = paged_prefill_ws_kernel if warp_specialized(dtype, block_size) else paged_prefill_gather_kernel
-    return build(num_heads, num_kv_heads, head_size, block_size, dtype, use_alibi, kv_layout, scale, **config)
+                         use_alibi: bool, kv_layout: str, scale: float, num_ctas: int, **config):
+    """The kernel of a specialization (`warp_specialized` picks the family) with its config.
+    `num_ctas` (the device's SM count) is the persistent grid of the warp-specialized kernel; the
+    gather kernel launches one CTA per query tile and head group."""
+    args = (num_heads, num_kv_heads, head_size, block_size, dtype, use_alibi, kv_layout, scale)
+    if warp_specialized(dtype, block_size):
+        return paged_prefill_ws_kernel(*args, num_ctas=num_ctas, **config)
+    return paged_prefill_gather_kernel(*args, **config)
 
 
 def _default_config(head_size: int, dtype: str, block_size: int = 16) -> dict:
@@ -393,6 +415,12 @@ def _default_config(head_size: int, dtype: str, block_size: int = 16) -> dict:
     if head_size == 256:
         return {"block_M": 64, "block_N": 64, "num_stages": stages, "threads": 128}
     return {"block_M": 128, "block_N": 128, "num_stages": stages, "threads": 256}
+
+
+def _sm_count() -> int:
+    """SMs of the current GPU (the persistent grid); an H100 / H200 SXM's 132 without one."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
+        if torch.cuda.is_available() else 132
 
 
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
@@ -457,7 +485,7 @@ class PagedAttentionPrefillTileLang:
         self.dtype, self.use_alibi, self.kv_layout, self.validate = dtype, use_alibi, kv_layout, validate
         self.spec = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size,
                      "block_size": block_size, "dtype": _DTYPES[dtype], "use_alibi": use_alibi,
-                     "kv_layout": kv_layout, "scale": float(scale)}
+                     "kv_layout": kv_layout, "scale": float(scale), "num_ctas": _sm_count()}
         self.config = resolve_config(self.op_name, self.spec, config,
                                      _default_config(head_size, _DTYPES[dtype], block_size))
         self._no_alibi = {}
