@@ -448,7 +448,8 @@ class PagedAttentionPrefillTileLang:
 
     @staticmethod
     def config_space(**spec) -> list[dict]:
-        head_size, dtype, block_size = spec.get("head_size", 128), spec.get("dtype", "bfloat16"), spec.get("block_size", 16)
+        head_size, dtype = spec.get("head_size", 128), spec.get("dtype", "bfloat16")
+        block_size = spec.get("block_size", 16)
         if warp_specialized(dtype, block_size):
             # Q plus num_stages x (K and V tiles) within shared memory.
             return [{"block_N": n, "num_stages": s} for n in (64, 128) for s in (2, 3)
