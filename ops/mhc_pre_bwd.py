@@ -58,7 +58,6 @@ def mhc_pre_bwd_stats_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: 
     """Per-token backward scalars (module docstring, step 1). An absent output gradient is a [1, ...]
     placeholder that is never read."""
     M, NG, NP, Dp, Dc = _dims(n, D, block_d)
-    bk = n * block_d
     num_tokens = T.dynamic("num_tokens")
     rows_in, rows_post, rows_res = (num_tokens if has else 1 for has in (has_g_in, has_g_post, has_g_res))
     CW = _coef_cols(n)
