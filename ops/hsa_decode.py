@@ -1,16 +1,19 @@
 """HSA decode (`HSADecodeTileLang`): top-k page selection plus sparse paged decode on SGLang's paged KV.
 
-Selection (``select``) is two kernels: ``hsa_score`` gathers the request's candidate page reprs E_j
+Selection (``select``) is two or three kernels: ``hsa_score`` gathers the request's candidate page reprs E_j
 (through ``page_table``) and writes one sortable 32-bit key per (request, kv head, logical page)
 (the fp32 score with its bits flipped so that unsigned order is score order; 0 marks a non-candidate);
 ``hsa_topk`` then finds the top-k of each (request, kv head) with a block-wide radix select over the
 56-bit key (score key, 0xFFFFFF - logical page): 8-bit digits, one shared-memory histogram per digit,
 stopping as soon as the k-th key's digits are settled; the index digits only matter on exact score ties
-and then make them go to the smaller logical page. The k winners are ranked by the same key.
+and then make them go to the smaller logical page. The k winners are ranked by the same key. Rows longer
+than ``topk_config["segment"]`` keys take two stages (top-k of each segment, then of their winners), so
+they run on many CTAs, not one per (request, kv head).
 
 Decode is split-K: the items of a (request, kv head) are its selected pages then the pages holding its
 local tokens; split ``s`` of ``num_splits`` takes a contiguous range of items, so the grid is
-num_splits x kv heads x B and fills the GPU even at small batch. The G query heads of a kv head are the
+num_splits x kv heads x B and fills the GPU even at small batch (the split count comes from the batch
+size: whole waves of CTAs, ``_num_splits``). The G query heads of a kv head are the
 M rows of one 16-row mma tile (warps split the N of each product, so the padding costs little); each
 item is one physical page (K and V read as a page_size x head_dim box of k_buffer / v_buffer). Per item the page's own softmax is normalized and
 merged into the split's running (o, lse) with a merge logit: the page's lse in ``token`` mode (plain
@@ -19,6 +22,7 @@ exp(z_k)); local pages always merge with their lse, so the window is one more ch
 lse_loc. ``hsa_combine`` merges the splits' (o, lse) into o.
 """
 
+import functools
 import math
 
 import torch
@@ -37,8 +41,9 @@ _KEY_BATCH = 8  # keys each top-k thread loads at once
 _IDX_BITS = 24  # logical page index bits of the selection key (max_pages < 2**24)
 _VEC = 8  # 16-bit elements of one 16-byte load
 _QROWS_DECODE = 16  # query rows of the decode products (one mma M tile; G <= 16)
-_SMEM_BUDGET = 200 * 1024  # bytes of shared memory a decode CTA may use (sm_90: 227 KiB)
-_ZCOLS = 32  # reprs of a split's selected pages: the N of the z product (>= items_per_split)
+_ZCOLS = 32  # reprs of a split's selected pages: the N of the z product (>= items per split)
+_SM_SMEM = 228 * 1024  # shared memory of one SM (sm_90), of which 1 KiB per CTA is reserved
+_DECODE_CTAS_PER_SM = 4  # register bound of a decode CTA (115 registers x 128 threads at the bench shape)
 
 
 def _local_pages_max(page_size: int, window_size: int) -> int:
@@ -47,13 +52,21 @@ def _local_pages_max(page_size: int, window_size: int) -> int:
     return (max(window_size, page_size - 1) + page_size - 1) // page_size + 1
 
 
-def _num_splits(page_size: int, topk: int, window_size: int, items_per_split: int) -> int:
-    return -(-(topk + _local_pages_max(page_size, window_size)) // items_per_split)
-
-
-def _decode_smem(page_size: int, head_dim: int, num_stages: int) -> int:
+def _decode_smem(page_size: int, head_dim: int) -> int:
     """Bytes of shared memory of a decode CTA (16-bit K, V, q and repr tiles)."""
-    return (num_stages * 2 * page_size + _QROWS_DECODE + _ZCOLS) * head_dim * 2
+    return (2 * page_size + _QROWS_DECODE + _ZCOLS) * head_dim * 2
+
+
+@functools.lru_cache(maxsize=None)
+def _num_splits(rows: int, n_items: int, slots: int, overhead: int) -> int:
+    """Decode split count for ``rows`` (request, kv head) pairs of at most ``n_items`` items each, when
+    ``slots`` CTAs run at once: the one with the least (waves of CTAs) x (items per split + overhead),
+    ``overhead`` pricing a split's fixed work (query, selected ids, reprs and z before its first page)
+    in items; ties to fewer splits. A split holds at most _ZCOLS items (its reprs fill the z tile).
+    At small batch this fills whole waves instead of leaving a short last one."""
+    def cost(s):
+        return -(-rows * s // slots) * (-(-n_items // s) + overhead)
+    return min(range(-(-n_items // _ZCOLS), n_items + 1), key=lambda s: (cost(s), s))
 
 
 def _first_local(L, page_size: int, window_size: int):
@@ -115,13 +128,14 @@ def _score_to_key(score):
 
 def hsa_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
                      selection_strategy: str, window_size: int, scale: float,
-                     pages_per_thread: int = 32, unroll: int = 4):
+                     pages_per_thread: int = 32, unroll: int = 4, blocks_per_sm: int | None = None):
     """keys[b, h, j] for candidate pages j < n_cand(b): sortable bits of the score, 0 when the repr is
     invalid. A bandwidth kernel without tensor cores: each thread reads 16 bytes (8 dims of one kv head)
     of a page's repr row per page, dots them with its query slice in fp32, and the head's lanes reduce
     with shuffles. A CTA covers rows x pages_per_thread pages of a request; each thread keeps `unroll`
     pages' loads in flight and fetches the next batch's page ids (page_table) while the current batch's
-    reprs arrive, so the chain page_table -> reprs costs one latency per batch, not two."""
+    reprs arrive, so the chain page_table -> reprs costs one latency per batch, not two. ``blocks_per_sm``
+    (CTAs per SM the register use must allow) trades CTAs for pages in flight per thread (``unroll``)."""
     G = num_heads // num_kv_heads
     hc, rows = _score_layout(num_kv_heads, head_dim)
     lph = head_dim // _VEC
@@ -129,6 +143,9 @@ def hsa_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size
     n_iter = max(1, pages_per_thread // unroll)
     block_pages = rows * n_iter * unroll
     NQ = 1 if selection_strategy == "group" else G  # query vectors a thread dots with each repr slice
+    if blocks_per_sm is None:
+        # 1024 threads of loads per SM (<= 64 registers) when a thread holds one query slice.
+        blocks_per_sm = max(1, (1024 if NQ == 1 else 512) // threads)
     batch, max_pages, num_pages = T.dynamic("batch, max_pages, num_pages")
     f32 = "float32"
 
@@ -140,8 +157,7 @@ def hsa_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size
                   repr_valid: T.Tensor((num_pages,), "uint8"),
                   keys: T.Tensor((batch, num_kv_heads, max_pages), "uint32")):
         with T.Kernel(T.ceildiv(max_pages, block_pages), num_kv_heads // hc, batch, threads=threads) as (c, hb, b):
-            # 1024 threads of loads per SM (<= 64 registers) when a thread holds one query slice.
-            T.annotate_min_blocks_per_sm(max(1, (1024 if NQ == 1 else 512) // threads))
+            T.annotate_min_blocks_per_sm(blocks_per_sm)
             tx = T.get_thread_binding()
             row = tx // (hc * lph)
             hh = tx % (hc * lph) // lph
@@ -208,154 +224,221 @@ def hsa_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size
     return hsa_score
 
 
-@T.macro
-def _load_keys(keys, kbuf, b, h, it, tx, n_cand):
-    """kbuf[e] = keys of batch ``it`` (0 past n_cand): the loads are issued together, not one per round trip."""
-    for e in T.unroll(_KEY_BATCH):
-        j = (it * _KEY_BATCH + e) * _RADIX + tx
-        kbuf[e] = T.if_then_else(j < n_cand, keys[b, h, j], _u32(0))
-
-
 def _key_to_score(key):
     bits = T.if_then_else(key >= _u32(0x80000000), key ^ _u32(0x80000000), ~key)
     return T.reinterpret(bits, "float32")
 
 
-def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: int):
-    """Top-k of keys[b, h, :n_cand(b)] -> selected_page_ids (physical) and scores, best first,
-    padded with -1 / -inf. One CTA of 256 threads per (kv head, request)."""
+def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: int, stage: str = "full",
+                    segment: int = 2048):
+    """Top-k of the key rows keys[b, h, :n_cand(b)] by (key, smaller logical page first), one CTA of 256
+    threads per row or row segment. ``stage``:
+      "full":    keys -> selected_page_ids (physical) and scores, best first, padded with -1 / -inf.
+      "segment": CTA s takes keys[b, h, s * segment : (s + 1) * segment] and writes its top-k, unordered, as
+                 (key, logical page) candidates [b, h, s * topk + i] (key 0 past its winners). A global
+                 winner is in its segment's top-k under the same total order, so:
+      "merge":   the top-k of those candidates -> selected_page_ids and scores, as "full".
+    Long rows thus run on many CTAs instead of one per (request, kv head)."""
     NT = _RADIX
-    batch, max_pages = T.dynamic("batch, max_pages")
+    NW = NT // 32
     idx_top = (1 << _IDX_BITS) - 1
+    batch, max_pages, n_cands = T.dynamic("batch, max_pages, n_cands")
 
-    @T.prim_func
-    def hsa_topk(keys: T.Tensor((batch, num_kv_heads, max_pages), "uint32"),
-                 page_table: T.Tensor((batch, max_pages), "int32"),
-                 seq_lens: T.Tensor((batch,), "int32"),
-                 selected_page_ids: T.Tensor((batch, num_kv_heads, topk), "int32"),
-                 selected_scores: T.Tensor((batch, num_kv_heads, topk), "float32")):
-        with T.Kernel(num_kv_heads, batch, threads=NT) as (h, b):
-            tx = T.get_thread_binding()
-            hist = T.alloc_shared((NT,), "int32")
-            suffix = T.alloc_shared((NT + 1,), "int32")
-            # 0: chosen digit, 1: rank still to fill inside the chosen bin, 2: winners written
-            state = T.alloc_shared((3,), "int32")
-            win_key = T.alloc_shared((topk,), "uint32")
-            win_idx = T.alloc_shared((topk,), "int32")
-            # Settled high digits of the k-th key: score key (pu, mu), then index key (pr, mr).
-            pu = T.alloc_var("uint32", _u32(0))
-            mu = T.alloc_var("uint32", _u32(0))
-            pr = T.alloc_var("uint32", _u32(0))
-            mr = T.alloc_var("uint32", _u32(0))
-            need = T.alloc_var("int32", topk)  # rank of the k-th key among keys matching the prefix
-            k_eff = T.alloc_var("int32", topk)
-            done = T.alloc_var("int32", 0)
-            acc = T.alloc_var("int32")
-            rank = T.alloc_var("int32")
-            L = seq_lens[b]
-            lo = _first_local(L, page_size, window_size)
-            n_cand = lo // page_size
-            n_batches = T.ceildiv(n_cand, NT * _KEY_BATCH)
-            kbuf = T.alloc_local((_KEY_BATCH,), "uint32")
+    @T.macro
+    def load_batch(keys, cand_pages, kbuf, pbuf, b, h, start, n, it, tx):
+        """kbuf[e], pbuf[e] = key and logical page of position (it * _KEY_BATCH + e) * NT + tx of the row
+        keys[b, h, start:start + n] (key 0 past n); the page is cand_pages' entry, else the position. The
+        loads are issued together, not one per round trip."""
+        for e in T.unroll(_KEY_BATCH):
+            j = (it * _KEY_BATCH + e) * NT + tx
+            kbuf[e] = T.if_then_else(j < n, keys[b, h, start + j], _u32(0))
+            if cand_pages is None:
+                pbuf[e] = start + j
+            else:
+                pbuf[e] = T.if_then_else(j < n, cand_pages[b, h, start + j], 0)
 
-            for p in T.serial(4 + _IDX_BITS // 8):
-                if done == 0:
-                    on_score = p < 4
-                    shift = T.if_then_else(on_score, 24 - 8 * p, _IDX_BITS - 8 - 8 * (p - 4))
-                    hist[tx] = 0
+    @T.macro
+    def select(keys, cand_pages, b, h, start, n, win_key, win_page, k_eff):
+        """Radix select over the 56-bit key (score key, idx_top - logical page): 8-bit digits, one shared
+        histogram per digit, stopping as soon as the k-th key's digits are settled (the page digits only
+        matter on exact score ties). The winners go to win_key / win_page unordered; k_eff[0] = their count."""
+        tx = T.get_thread_binding()
+        hist = T.alloc_shared((NT,), "int32")
+        suffix = T.alloc_shared((NT + 1,), "int32")
+        warp_sum = T.alloc_shared((NW,), "int32")
+        # 0: chosen digit, 1: rank still to fill inside the chosen bin, 2: winners written
+        state = T.alloc_shared((3,), "int32")
+        kbuf = T.alloc_local((_KEY_BATCH,), "uint32")
+        pbuf = T.alloc_local((_KEY_BATCH,), "int32")
+        # Settled high digits of the k-th key: score key (pu, mu), then page key (pr, mr).
+        pu = T.alloc_var("uint32", _u32(0))
+        mu = T.alloc_var("uint32", _u32(0))
+        pr = T.alloc_var("uint32", _u32(0))
+        mr = T.alloc_var("uint32", _u32(0))
+        need = T.alloc_var("int32", topk)  # rank of the k-th key among keys matching the prefix
+        done = T.alloc_var("int32", 0)
+        acc = T.alloc_var("int32")
+        n_batches = T.ceildiv(n, NT * _KEY_BATCH)
+        k_eff[0] = topk
+
+        for p in T.serial(4 + _IDX_BITS // 8):
+            if done == 0:
+                on_score = p < 4
+                shift = T.if_then_else(on_score, 24 - 8 * p, _IDX_BITS - 8 - 8 * (p - 4))
+                hist[tx] = 0
+                T.sync_threads()
+                for it in T.serial(n_batches):
+                    load_batch(keys, cand_pages, kbuf, pbuf, b, h, start, n, it, tx)
+                    for e in T.unroll(_KEY_BATCH):
+                        u = kbuf[e]
+                        r = T.cast(idx_top - pbuf[e], "uint32")
+                        if u != _u32(0) and (u & mu) == pu and (r & mr) == pr:
+                            digit = T.if_then_else(on_score, u >> T.cast(shift, "uint32"),
+                                                   r >> T.cast(shift, "uint32")) & _u32(0xFF)
+                            T.atomic_add(hist[T.cast(digit, "int32")], 1)
+                T.sync_threads()
+                # suffix[t] = sum of hist[t:]: a shuffle scan inside each warp, then the warps' totals
+                # (two barriers, where a block-wide Hillis-Steele scan takes two per step).
+                acc = hist[tx]
+                for k in T.unroll(5):
+                    down = T.shfl_down(acc, 1 << k)
+                    acc += T.if_then_else(tx % 32 + (1 << k) < 32, down, 0)
+                if tx % 32 == 0:
+                    warp_sum[tx // 32] = acc
+                T.sync_threads()
+                for w in T.unroll(1, NW):
+                    acc += T.if_then_else(tx // 32 + w < NW, warp_sum[T.min(tx // 32 + w, NW - 1)], 0)
+                suffix[tx] = acc
+                if tx == 0:
+                    suffix[NT] = 0
+                T.sync_threads()
+                if p == 0 and suffix[0] <= topk:
+                    # No more candidates than topk: all of them win, no digit to settle.
+                    k_eff[0] = suffix[0]
+                    done = 1
+                else:
+                    if suffix[tx] >= need and suffix[tx + 1] < need:
+                        state[0] = tx
+                        state[1] = need - suffix[tx + 1]
                     T.sync_threads()
-                    for it in T.serial(n_batches):
-                        _load_keys(keys, kbuf, b, h, it, tx, n_cand)
-                        for e in T.unroll(_KEY_BATCH):
-                            u = kbuf[e]
-                            r = T.cast(idx_top - (it * _KEY_BATCH + e) * NT - tx, "uint32")
-                            if u != _u32(0) and (u & mu) == pu and (r & mr) == pr:
-                                digit = T.if_then_else(on_score, u >> T.cast(shift, "uint32"),
-                                                       r >> T.cast(shift, "uint32")) & _u32(0xFF)
-                                T.atomic_add(hist[T.cast(digit, "int32")], 1)
-                    T.sync_threads()
-                    # suffix[t] = sum of hist[t:]: Hillis-Steele scan, log2(NT) steps.
-                    acc = hist[tx]
-                    suffix[tx] = acc
-                    if tx == 0:
-                        suffix[NT] = 0
-                    T.sync_threads()
-                    for step in T.unroll(8):
-                        add = T.if_then_else(tx + (1 << step) < NT, suffix[T.min(tx + (1 << step), NT - 1)], 0)
-                        T.sync_threads()
-                        acc += add
-                        suffix[tx] = acc
-                        T.sync_threads()
-                    if p == 0 and suffix[0] <= topk:
-                        # No more candidates than topk: all of them win, no digit to settle.
-                        k_eff = suffix[0]
-                        done = 1
+                    need = state[1]
+                    digit_mask = _u32(0xFF) << T.cast(shift, "uint32")
+                    chosen = T.cast(state[0], "uint32") << T.cast(shift, "uint32")
+                    if on_score:
+                        pu = pu | chosen
+                        mu = mu | digit_mask
                     else:
-                        if suffix[tx] >= need and suffix[tx + 1] < need:
-                            state[0] = tx
-                            state[1] = need - suffix[tx + 1]
-                        T.sync_threads()
-                        need = state[1]
-                        digit_mask = _u32(0xFF) << T.cast(shift, "uint32")
-                        chosen = T.cast(state[0], "uint32") << T.cast(shift, "uint32")
-                        if on_score:
-                            pu = pu | chosen
-                            mu = mu | digit_mask
-                        else:
-                            pr = pr | chosen
-                            mr = mr | digit_mask
-                        # The bin holds exactly the keys still needed: all of them win.
-                        if hist[state[0]] == need:
-                            done = 1
-                    T.sync_threads()
+                        pr = pr | chosen
+                        mr = mr | digit_mask
+                    # The bin holds exactly the keys still needed: all of them win.
+                    if hist[state[0]] == need:
+                        done = 1
+                T.sync_threads()
 
-            if tx == 0:
-                state[2] = 0
-            T.sync_threads()
-            for it in T.serial(n_batches):
-                _load_keys(keys, kbuf, b, h, it, tx, n_cand)
-                for e in T.unroll(_KEY_BATCH):
-                    u = kbuf[e]
-                    j = (it * _KEY_BATCH + e) * NT + tx
-                    r = T.cast(idx_top - j, "uint32")
-                    if u != _u32(0) and ((u & mu) > pu or ((u & mu) == pu and (r & mr) >= pr)):
-                        slot = T.atomic_add(state[2], 1, return_prev=True)
-                        if slot < topk:
-                            win_key[slot] = u
-                            win_idx[slot] = j
-            T.sync_threads()
-            for it in T.serial(T.ceildiv(topk, NT)):
-                i = it * NT + tx
-                if i < k_eff:
-                    rank = 0
-                    for m in T.serial(k_eff):
-                        if win_key[m] > win_key[i] or (win_key[m] == win_key[i] and win_idx[m] < win_idx[i]):
-                            rank += 1
-                    selected_page_ids[b, h, rank] = page_table[b, win_idx[i]]
-                    selected_scores[b, h, rank] = _key_to_score(win_key[i])
-                elif i < topk:
-                    selected_page_ids[b, h, i] = -1
-                    selected_scores[b, h, i] = -T.infinity("float32")
+        if tx == 0:
+            state[2] = 0
+        T.sync_threads()
+        for it in T.serial(n_batches):
+            load_batch(keys, cand_pages, kbuf, pbuf, b, h, start, n, it, tx)
+            for e in T.unroll(_KEY_BATCH):
+                u = kbuf[e]
+                r = T.cast(idx_top - pbuf[e], "uint32")
+                if u != _u32(0) and ((u & mu) > pu or ((u & mu) == pu and (r & mr) >= pr)):
+                    slot = T.atomic_add(state[2], 1, return_prev=True)
+                    if slot < topk:
+                        win_key[slot] = u
+                        win_page[slot] = pbuf[e]
+        T.sync_threads()
+
+    @T.macro
+    def write_ranked(win_key, win_page, k_eff, page_table, b, h, selected_page_ids, selected_scores):
+        """Winner i goes to its rank by the same order; slots past the winners get -1 / -inf."""
+        tx = T.get_thread_binding()
+        rank = T.alloc_var("int32")
+        for it in T.serial(T.ceildiv(topk, NT)):
+            i = it * NT + tx
+            if i < k_eff[0]:
+                rank = 0
+                for m in T.serial(k_eff[0]):
+                    if win_key[m] > win_key[i] or (win_key[m] == win_key[i] and win_page[m] < win_page[i]):
+                        rank += 1
+                selected_page_ids[b, h, rank] = page_table[b, win_page[i]]
+                selected_scores[b, h, rank] = _key_to_score(win_key[i])
+            elif i < topk:
+                selected_page_ids[b, h, i] = -1
+                selected_scores[b, h, i] = -T.infinity("float32")
+
+    def n_cand_of(seq_lens, b):
+        return _first_local(seq_lens[b], page_size, window_size) // page_size
+
+    if stage == "full":
+        @T.prim_func
+        def hsa_topk(keys: T.Tensor((batch, num_kv_heads, max_pages), "uint32"),
+                     page_table: T.Tensor((batch, max_pages), "int32"),
+                     seq_lens: T.Tensor((batch,), "int32"),
+                     selected_page_ids: T.Tensor((batch, num_kv_heads, topk), "int32"),
+                     selected_scores: T.Tensor((batch, num_kv_heads, topk), "float32")):
+            with T.Kernel(num_kv_heads, batch, threads=NT) as (h, b):
+                win_key = T.alloc_shared((topk,), "uint32")
+                win_page = T.alloc_shared((topk,), "int32")
+                k_eff = T.alloc_local((1,), "int32")
+                select(keys, None, b, h, 0, n_cand_of(seq_lens, b), win_key, win_page, k_eff)
+                write_ranked(win_key, win_page, k_eff, page_table, b, h, selected_page_ids, selected_scores)
+
+    elif stage == "segment":
+        @T.prim_func
+        def hsa_topk(keys: T.Tensor((batch, num_kv_heads, max_pages), "uint32"),
+                     seq_lens: T.Tensor((batch,), "int32"),
+                     cand_keys: T.Tensor((batch, num_kv_heads, n_cands), "uint32"),
+                     cand_pages: T.Tensor((batch, num_kv_heads, n_cands), "int32")):
+            with T.Kernel(T.ceildiv(max_pages, segment), num_kv_heads, batch, threads=NT) as (s, h, b):
+                tx = T.get_thread_binding()
+                win_key = T.alloc_shared((topk,), "uint32")
+                win_page = T.alloc_shared((topk,), "int32")
+                k_eff = T.alloc_local((1,), "int32")
+                start = s * segment
+                select(keys, None, b, h, start, T.clamp(n_cand_of(seq_lens, b) - start, 0, segment),
+                       win_key, win_page, k_eff)
+                for it in T.serial(T.ceildiv(topk, NT)):
+                    i = it * NT + tx
+                    if i < topk:
+                        cand_keys[b, h, s * topk + i] = T.if_then_else(i < k_eff[0], win_key[i], _u32(0))
+                        cand_pages[b, h, s * topk + i] = T.if_then_else(i < k_eff[0], win_page[i], 0)
+
+    else:
+        @T.prim_func
+        def hsa_topk(cand_keys: T.Tensor((batch, num_kv_heads, n_cands), "uint32"),
+                     cand_pages: T.Tensor((batch, num_kv_heads, n_cands), "int32"),
+                     page_table: T.Tensor((batch, max_pages), "int32"),
+                     seq_lens: T.Tensor((batch,), "int32"),
+                     selected_page_ids: T.Tensor((batch, num_kv_heads, topk), "int32"),
+                     selected_scores: T.Tensor((batch, num_kv_heads, topk), "float32")):
+            with T.Kernel(num_kv_heads, batch, threads=NT) as (h, b):
+                win_key = T.alloc_shared((topk,), "uint32")
+                win_page = T.alloc_shared((topk,), "int32")
+                k_eff = T.alloc_local((1,), "int32")
+                # Only the segments that hold candidates of this request.
+                n = T.min(n_cands, T.ceildiv(n_cand_of(seq_lens, b), segment) * topk)
+                select(cand_keys, cand_pages, b, h, 0, n, win_key, win_page, k_eff)
+                write_ranked(win_key, win_page, k_eff, page_table, b, h, selected_page_ids, selected_scores)
 
     return hsa_topk
 
 
 # ----------------------------------------------------------------------------- decode
 def hsa_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, topk: int,
-                      dtype: str, window_size: int, combine: str, scale: float,
-                      items_per_split: int = 8, num_stages: int = 1):
+                      dtype: str, window_size: int, combine: str, scale: float):
     """Per (split, kv head, request): merge the split's items (pages) into partial (o, lse) per query
-    head; items_per_split sets the split count (the grid's x)."""
+    head. The split count is the partials' split axis (the grid's x, chosen by the caller from the batch);
+    a request's topk + n_local items are cut into that many contiguous ranges of equal length, which the
+    caller keeps <= _ZCOLS (``_min_splits``)."""
     G = num_heads // num_kv_heads
     GM = _QROWS_DECODE
-    per_split = items_per_split
-    num_splits = _num_splits(page_size, topk, window_size, items_per_split)
     # Warps split the N of every product (M is one 16-row tile): N = page_size needs >= 8 per warp.
     threads = 32 * min(4, page_size // 8)
     fuse_z = combine == "softmax"
-    # splits_cap >= num_splits: the partials' split axis is dynamic so one allocation serves every config.
-    batch, max_pages, num_slots, num_pages, splits_cap = T.dynamic(
-        "batch, max_pages, num_slots, num_pages, splits_cap")
+    batch, max_pages, num_slots, num_pages, num_splits = T.dynamic(
+        "batch, max_pages, num_slots, num_pages, num_splits")
     f32 = "float32"
 
     @T.prim_func
@@ -366,8 +449,8 @@ def hsa_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
                    seq_lens: T.Tensor((batch,), "int32"),
                    chunk_repr: T.Tensor((num_pages, num_kv_heads, head_dim), dtype),
                    selected_page_ids: T.Tensor((batch, num_kv_heads, topk), "int32"),
-                   o_part: T.Tensor((batch, num_heads, splits_cap, head_dim), f32),
-                   lse_part: T.Tensor((batch, num_heads, splits_cap), f32)):
+                   o_part: T.Tensor((batch, num_heads, num_splits, head_dim), f32),
+                   lse_part: T.Tensor((batch, num_heads, num_splits), f32)):
         with T.Kernel(num_splits, num_kv_heads, batch, threads=threads) as (sp, h, b):
             q_s = T.alloc_shared((GM, head_dim), dtype)
             k_s = T.alloc_shared((page_size, head_dim), dtype)
@@ -388,7 +471,11 @@ def hsa_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
             lo = _first_local(L, page_size, window_size)
             p0 = lo // page_size
             n_local = T.ceildiv(L, page_size) - p0
+            # Items of this split (vars: computed once); past the request's items a split is empty. The
+            # min only matters for seq_lens past the page table (validate=False): z_s has _ZCOLS columns.
+            per_split = T.alloc_var("int32", init=T.min(T.ceildiv(topk + n_local, num_splits), _ZCOLS))
             i0 = sp * per_split
+            n_it = T.alloc_var("int32", init=T.clamp(topk + n_local - i0, 0, per_split))
 
             for g, d in T.Parallel(GM, head_dim):
                 q_s[g, d] = T.if_then_else(g < G, q[b, h * G + T.min(g, G - 1), d], T.cast(0, dtype))
@@ -398,15 +485,16 @@ def hsa_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
             if fuse_z:
                 for r, d in T.Parallel(_ZCOLS, head_dim):
                     e_s[r, d] = T.cast(0, dtype)
-                    if r < per_split and i0 + r < topk:
+                    if r < n_it and i0 + r < topk:
                         if selected_page_ids[b, h, i0 + r] >= 0:
                             e_s[r, d] = chunk_repr[selected_page_ids[b, h, i0 + r], h, d]
                 T.gemm(q_s, e_s, z, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 T.copy(z, z_s)
 
-            for it in T.Pipelined(per_split, num_stages=num_stages):
+            # One stage (K/V of the next page still load during this one's math): the trip count is dynamic.
+            for it in T.Pipelined(n_it, num_stages=1):
                 # Item i -> physical page and its valid token range [tok_lo, tok_hi). Every iteration
-                # loads a page (an empty item reads page 0 with no valid token) so the loop pipelines.
+                # loads a page (a hole, -1, reads page 0 with no valid token) so the loop pipelines.
                 i = i0 + it
                 is_sel = i < topk
                 j_loc = p0 + i - topk  # logical page of a local item
@@ -457,14 +545,14 @@ def hsa_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
     return hsa_decode
 
 
-def hsa_combine_kernel(num_heads: int, head_dim: int, dtype: str, num_splits: int):
+def hsa_combine_kernel(num_heads: int, head_dim: int, dtype: str):
     """o[b, h] = sum over splits of exp(lse_s) o_s / sum of exp(lse_s); 0 when every split is empty."""
-    batch, splits_cap = T.dynamic("batch, splits_cap")
+    batch, num_splits = T.dynamic("batch, num_splits")
     f32 = "float32"
 
     @T.prim_func
-    def hsa_combine(o_part: T.Tensor((batch, num_heads, splits_cap, head_dim), f32),
-                    lse_part: T.Tensor((batch, num_heads, splits_cap), f32),
+    def hsa_combine(o_part: T.Tensor((batch, num_heads, num_splits, head_dim), f32),
+                    lse_part: T.Tensor((batch, num_heads, num_splits), f32),
                     o: T.Tensor((batch, num_heads, head_dim), dtype)):
         with T.Kernel(num_heads, batch, threads=head_dim) as (hq, b):
             acc = T.alloc_fragment((head_dim,), f32)
@@ -472,12 +560,12 @@ def hsa_combine_kernel(num_heads: int, head_dim: int, dtype: str, num_splits: in
             total = T.alloc_var(f32)
             w = T.alloc_var(f32)
             m = -T.infinity(f32)
-            for s in T.unroll(num_splits):
+            for s in T.serial(num_splits):
                 m = T.max(m, lse_part[b, hq, s])
             total = 0
             T.clear(acc)
             if m > -T.infinity(f32):
-                for s in T.unroll(num_splits):
+                for s in T.serial(num_splits):
                     w = T.exp(lse_part[b, hq, s] - m)
                     total += w
                     for d in T.Parallel(head_dim):
@@ -493,6 +581,11 @@ def _dtype_name(dtype) -> str:
     if dtype not in _DTYPES:
         raise TypeError(f"dtype: expected one of {list(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_values(checks: list[tuple[str, torch.Tensor]]) -> None:
@@ -551,19 +644,13 @@ class HSADecodeTileLang:
     """
 
     op_name = "hsa_decode"
-    DEFAULT_CONFIG = {"items_per_split": 8, "num_stages": 1}
-
-    @staticmethod
-    def config_space(**spec) -> list[dict]:
-        return [{"items_per_split": n, "num_stages": s} for n in (4, 8, 16, 32) for s in (1, 2)
-                if _decode_smem(spec["page_size"], spec["head_dim"], s) <= _SMEM_BUDGET]
-
-    tunable_kernel = staticmethod(hsa_decode_kernel)
+    # split_overhead: the split count rule's price of a split's fixed work, in items (``_num_splits``).
+    DEFAULT_CONFIG = {"split_overhead": 2}
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, topk: int,
                  dtype: torch.dtype, selection_strategy: str = "group", window_size: int = 0,
                  combine: str = "softmax", scale: float | None = None, config: dict | None = None,
-                 score_config: dict | None = None):
+                 score_config: dict | None = None, topk_config: dict | None = None):
         check_int("num_heads", num_heads, lo=1)
         check_int("num_kv_heads", num_kv_heads, lo=1)
         if num_heads % num_kv_heads:
@@ -586,23 +673,26 @@ class HSADecodeTileLang:
                          page_size=page_size, topk=topk, dtype=_dtype_name(dtype), window_size=window_size,
                          combine=combine, scale=float(scale))
         self.config = resolve_config(self.op_name, self.spec, config, self.DEFAULT_CONFIG)
-        check_int("config['items_per_split']", self.config["items_per_split"], lo=1, hi=_ZCOLS)
-        check_int("config['num_stages']", self.config["num_stages"], lo=1, hi=2)
-        smem = _decode_smem(page_size, head_dim, self.config["num_stages"])
-        if smem > _SMEM_BUDGET:
-            raise ValueError(f"config['num_stages']: {self.config['num_stages']} stages of K and V pages need "
-                             f"{smem} bytes of shared memory, more than {_SMEM_BUDGET}")
-        self.num_splits = _num_splits(page_size, topk, window_size, self.config["items_per_split"])
+        check_int("config['split_overhead']", self.config["split_overhead"], lo=0)
+        self.decode_ctas_per_sm = max(1, min(_DECODE_CTAS_PER_SM, _SM_SMEM // (_decode_smem(page_size, head_dim) + 1024)))
+        self.topk_config = {"segment": 2048, **(topk_config or {})}
+        if set(self.topk_config) != {"segment"}:
+            raise ValueError(f"topk_config: unknown keys {sorted(set(self.topk_config) - {'segment'})}, "
+                             f"expected a subset of ['segment']")
+        check_int("topk_config['segment']", self.topk_config["segment"], lo=_RADIX, multiple_of=_RADIX)
         sp = self.spec
         score_config = score_config or {}
         self.score_kernel = compile_kernel(hsa_score_kernel(
             num_heads, num_kv_heads, head_dim, page_size, sp["dtype"], selection_strategy, window_size, sp["scale"],
             **score_config))
-        self.topk_kernel = compile_kernel(hsa_topk_kernel(num_kv_heads, page_size, topk, window_size))
+        # Rows of up to `segment` keys: one CTA each; longer rows: top-k per segment, then of the segments'.
+        self.topk_kernel, self.topk_segment_kernel, self.topk_merge_kernel = (
+            compile_kernel(hsa_topk_kernel(num_kv_heads, page_size, topk, window_size, stage, **self.topk_config))
+            for stage in ("full", "segment", "merge"))
         # Without warp specialization: every warp computes (the products split N over all of them).
-        self.decode_kernel = compile_kernel(hsa_decode_kernel(**sp, **self.config),
+        self.decode_kernel = compile_kernel(hsa_decode_kernel(**sp),
                                             pass_configs={"tl.disable_warp_specialized": True})
-        self.combine_kernel = compile_kernel(hsa_combine_kernel(num_heads, head_dim, sp["dtype"], self.num_splits))
+        self.combine_kernel = compile_kernel(hsa_combine_kernel(num_heads, head_dim, sp["dtype"]))
 
     # -- validation
     def _check_common(self, q, page_table, seq_lens, chunk_repr, repr_valid):
@@ -652,11 +742,19 @@ class HSADecodeTileLang:
         else:
             valid = repr_valid.view(torch.uint8)
         # Allocated as int32: torch has few uint32 kernels (fills included).
-        keys = torch.empty(B, Hkv, page_table.shape[1], dtype=torch.int32, device=q.device).view(torch.uint32)
+        max_pages, segment = page_table.shape[1], self.topk_config["segment"]
+        keys = torch.empty(B, Hkv, max_pages, dtype=torch.int32, device=q.device).view(torch.uint32)
         ids = torch.empty(B, Hkv, k, dtype=torch.int32, device=q.device)
         scores = torch.empty(B, Hkv, k, dtype=torch.float32, device=q.device)
         self.score_kernel(q, page_table, seq_lens, chunk_repr, valid, keys)
-        self.topk_kernel(keys, page_table, seq_lens, ids, scores)
+        if max_pages <= segment:
+            self.topk_kernel(keys, page_table, seq_lens, ids, scores)
+        else:
+            n_cands = -(-max_pages // segment) * k
+            cand_keys = torch.empty(B, Hkv, n_cands, dtype=torch.int32, device=q.device).view(torch.uint32)
+            cand_pages = torch.empty(B, Hkv, n_cands, dtype=torch.int32, device=q.device)
+            self.topk_segment_kernel(keys, seq_lens, cand_keys, cand_pages)
+            self.topk_merge_kernel(cand_keys, cand_pages, page_table, seq_lens, ids, scores)
         return ids, scores
 
     def _check_decode(self, q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid,
@@ -689,7 +787,7 @@ class HSADecodeTileLang:
             _check_values(checks)
         if selected_page_ids is None:
             selected_page_ids, _ = self._select(q, page_table, seq_lens, chunk_repr, repr_valid)
-        o_part, lse_part = self._partials(q, self.num_splits)
+        o_part, lse_part = self._partials(q, self.num_splits(q.shape[0], q.device))
         self.decode_kernel(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, selected_page_ids,
                            o_part, lse_part)
         if out is None:
@@ -697,19 +795,15 @@ class HSADecodeTileLang:
         self.combine_kernel(o_part, lse_part, out)
         return out
 
+    def num_splits(self, batch: int, device) -> int:
+        """Decode splits for a batch (from shapes and the device only, so calls stay capturable)."""
+        sp = self.spec
+        n_items = sp["topk"] + _local_pages_max(sp["page_size"], sp["window_size"])
+        slots = _sm_count(torch.device(device)) * self.decode_ctas_per_sm
+        return _num_splits(batch * sp["num_kv_heads"], n_items, slots, self.config["split_overhead"])
+
     @staticmethod
     def _partials(q, num_splits):
         B, Hq, D = q.shape
         return (torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device),
                 torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device))
-
-    def tune_args(self, q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid=None,
-                  selected_page_ids=None):
-        """Arguments of ``tunable_kernel`` (the decode kernel) for these call inputs; the partials have
-        room for the most splits any config makes (items_per_split=1)."""
-        if selected_page_ids is None:
-            selected_page_ids, _ = self.select(q, page_table, seq_lens, chunk_repr, repr_valid)
-        sp = self.spec
-        cap = _num_splits(sp["page_size"], sp["topk"], sp["window_size"], 1)
-        return (q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, selected_page_ids,
-                *self._partials(q, cap))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from golden.hsa_decode import hsa_decode, page_repr, random_case, select_pages
-from ops.hsa_decode import HSADecodeTileLang, HSAPageReprTileLang
+from ops.hsa_decode import _ZCOLS, HSADecodeTileLang, HSAPageReprTileLang, _num_splits
 
 
 # ----------------------------------------------------------------------------- float64 definition
@@ -175,12 +175,15 @@ def test_golden_page_repr(mode):
 
 
 # ----------------------------------------------------------------------------- validation
-# Each dtype, head dim, page size, G in {1, 4, 8, 16}, strategy and combine mode at least once.
+# Each dtype, head dim, page size, G in {1, 4, 8, 16}, strategy and combine mode at least once; more
+# decode splits, a short top-k segment, and a score kernel with more loads in flight.
 COMPILE_SPECS = [
     dict(num_heads=4, num_kv_heads=4, head_dim=64, page_size=16, topk=8, dtype=torch.float16,
-         selection_strategy="group", window_size=0, combine="softmax"),
+         selection_strategy="group", window_size=0, combine="softmax",
+         config={"split_overhead": 0}, topk_config={"segment": 256}),
     dict(num_heads=16, num_kv_heads=4, head_dim=128, page_size=32, topk=16, dtype=torch.bfloat16,
-         selection_strategy="head", window_size=100, combine="token"),
+         selection_strategy="head", window_size=100, combine="token",
+         score_config={"unroll": 8, "blocks_per_sm": 3}),
     dict(num_heads=64, num_kv_heads=8, head_dim=128, page_size=64, topk=64, dtype=torch.float16,
          selection_strategy="head", window_size=512, combine="softmax"),
     dict(num_heads=32, num_kv_heads=2, head_dim=256, page_size=128, topk=32, dtype=torch.bfloat16,
@@ -203,8 +206,10 @@ GOOD = dict(num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, topk=4, dtyp
     (dict(combine="mean"), ValueError, "combine"),
     (dict(window_size=-1), ValueError, "window_size"),
     (dict(scale=0.0), ValueError, "scale"),
-    (dict(config={"items_per_split": 0}), ValueError, "items_per_split"),
+    (dict(config={"split_overhead": -1}), ValueError, "split_overhead"),
     (dict(config={"block": 4}), ValueError, "unknown keys"),
+    (dict(topk_config={"segment": 300}), ValueError, "segment"),
+    (dict(topk_config={"seg": 256}), ValueError, "unknown keys"),
 ])
 def test_constructor_rejects(change, err, match):
     with pytest.raises(err, match=match):
@@ -273,8 +278,21 @@ def test_value_checks(small_op):
                          f"G{s['num_heads'] // s['num_kv_heads']}")
 def test_compiles_for_sm90a(spec):
     op = HSADecodeTileLang(**spec)
-    for k in (op.score_kernel, op.topk_kernel, op.decode_kernel, op.combine_kernel):
+    for k in (op.score_kernel, op.topk_kernel, op.topk_segment_kernel, op.topk_merge_kernel, op.decode_kernel,
+              op.combine_kernel):
         assert "__global__" in k.get_kernel_source()
+
+
+@pytest.mark.parametrize("batch, splits", [(32, 4), (8, 8), (1, 37)])
+def test_num_splits_fills_whole_waves(batch, splits):
+    """Bench shape (73 items: 64 selected + up to 9 local pages), 132 SMs x 4 CTAs: (b)'s 8 requests get
+    one wave of 9-10 items per split, not 10 splits of 8 (1.2 waves)."""
+    rows, slots = batch * 8, 132 * 4
+    s = _num_splits(rows, 73, slots, 2)
+    assert s == splits and -(-73 // s) <= _ZCOLS
+    assert _num_splits(rows, 73, slots, 0) >= s  # no fixed cost: more, shorter splits
+    for rows_, items in [(8, 1000), (4096, 73), (4096, 1000)]:  # a split never exceeds the z tile
+        assert -(-items // _num_splits(rows_, items, slots, 2)) <= _ZCOLS
 
 
 @pytest.mark.compile

@@ -22,10 +22,12 @@ SPECS = {
                  selection_strategy="group", window_size=100, combine="token"),
     "g4": dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=32, topk=16, dtype=torch.float16,
                selection_strategy="group", window_size=40, combine="softmax", scale=0.05),
-    # the pipelined page loop and more splits (a non-default config of the decode kernel)
-    "stages2": dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=64, topk=64, dtype=torch.bfloat16,
-                    selection_strategy="group", window_size=512, combine="softmax",
-                    config={"items_per_split": 4, "num_stages": 2}),
+    # many short decode splits (empty ones past a request's items)
+    "splits": dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=64, topk=64, dtype=torch.bfloat16,
+                   selection_strategy="group", window_size=512, combine="softmax", config={"split_overhead": 0}),
+    # rows longer than the top-k segment: two-stage selection (segment top-k, then merge)
+    "seg": dict(num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, topk=40, dtype=torch.float16,
+                selection_strategy="group", window_size=32, combine="softmax", topk_config={"segment": 256}),
 }
 # Ragged lengths: 1 token, page boundaries, no candidates, candidates fewer / more than topk.
 SEQ_LENS = {
@@ -34,7 +36,8 @@ SEQ_LENS = {
     "g16": [1, 16, 17, 100, 257, 1000],
     "d256": [129, 128, 1100, 700],
     "g4": [33, 640, 2000, 5],
-    "stages2": [1, 64, 65, 700, 4160, 20000, 9001],
+    "splits": [1, 64, 65, 700, 4160, 20000, 9001],
+    "seg": [1, 300, 4100, 20000, 4112, 9000],  # 1..1248 candidates: up to 5 segments, some with none
 }
 _OPS = {}
 # Output tolerances (inputs are rounded to the dtype, P is rounded to it before the PV product).
@@ -103,6 +106,30 @@ def test_ties_go_to_smaller_logical_page():
     _, ids_ref, _ = golden_of("g4", inputs)
     assert torch.equal(ids, ids_ref)
     assert (ids_ref[2, :, :16] == inputs["page_table"][2, :16]).all()  # 2000 tokens: 62 candidates
+
+
+def test_ties_go_to_smaller_logical_page_two_stage():
+    """Equal scores across segments: each segment keeps its smallest pages, the merge the smallest of those."""
+    op, inputs = get_op("seg"), make_case("seg", seed=4, invalid_frac=0.0)
+    inputs["chunk_repr"][:] = inputs["chunk_repr"][0]
+    ids, _ = op.select(inputs["q"], inputs["page_table"], inputs["seq_lens"], inputs["chunk_repr"])
+    _, ids_ref, _ = golden_of("seg", inputs)
+    assert torch.equal(ids, ids_ref)
+    assert (ids_ref[3, :, :40] == inputs["page_table"][3, :40]).all()
+
+
+def test_bench_rows_past_one_segment(poisoned):
+    """The bench spec with a request of more candidate pages than one top-k segment (2048): two stages."""
+    op, inputs = get_op("bench"), make_case("bench", seed=11, seq_lens=[140000, 700, 131647])
+    assert inputs["page_table"].shape[1] > op.topk_config["segment"]
+    with poisoned():
+        ids, scores = op.select(inputs["q"], inputs["page_table"], inputs["seq_lens"], inputs["chunk_repr"],
+                                inputs["repr_valid"])
+        o = op(**inputs)
+    o_ref, ids_ref, scores_ref = golden_of("bench", inputs)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(scores, scores_ref, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(o.float(), o_ref.float(), **TOL[torch.bfloat16])
 
 
 def test_nothing_to_attend_gives_zero():
