@@ -345,9 +345,13 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
                 r = T.cast(idx_top - pbuf[e], "uint32")
                 if u != _u32(0) and ((u & mu) > pu or ((u & mu) == pu and (r & mr) >= pr)):
                     slot = T.atomic_add(state[2], 1, return_prev=True)
+                    # Stored as atomics: TileLang's sync planner then sees no hazard against the counter's
+                    # atomic and puts no barrier here. It would keep one inside this branch (its condition
+                    # reads only thread-local values, which it takes for block-uniform) and the CTA would
+                    # hang there: the threads without a winner never reach it.
                     if slot < topk:
-                        win_key[slot] = u
-                        win_page[slot] = pbuf[e]
+                        T.atomic_store(win_key[slot], u, memory_order="relaxed")
+                        T.atomic_store(win_page[slot], pbuf[e], memory_order="relaxed")
         T.sync_threads()
 
     @T.macro
