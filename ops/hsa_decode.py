@@ -435,7 +435,7 @@ def hsa_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
     """Per (split, kv head, request): merge the split's items (pages) into partial (o, lse) per query
     head. The split count is the partials' split axis (the grid's x, chosen by the caller from the batch);
     a request's topk + n_local items are cut into that many contiguous ranges of equal length, which the
-    caller keeps <= _ZCOLS (``_min_splits``)."""
+    caller keeps <= _ZCOLS (``_num_splits``)."""
     G = num_heads // num_kv_heads
     GM = _QROWS_DECODE
     # Warps split the N of every product (M is one 16-row tile): N = page_size needs >= 8 per warp.
