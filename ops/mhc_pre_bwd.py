@@ -23,6 +23,12 @@ not after their last read of the copy's destination, so the next tile's copy ove
 is still read. Hence the grad kernel's per-token coefficients [c, h_pre] come as one fp32 tensor with
 16-byte rows, written by the stats kernel.
 
+TileLang releases a TMA tile to its producer right after the tile's last reader, and ptxas may issue
+that release while shared loads of the tile are still in flight if their values are only used later
+(the next tile's TMA write then overtakes them: wrong values, timing-dependent; see docs/perf.md). So
+register-only readers of a TMA tile (the stats kernel's dots) run before the tile's tensor-core products,
+and the grad kernel's epilogue ends in stores.
+
 Token reductions (grad_phi over token groups, grad_bias, grad_alpha over tokens) are sums of per-CTA /
 per-token partials in a fixed order: bitwise reproducible, no float atomics.
 g_mix and phi are split into bf16 hi + lo parts for the tensor cores: hi*hi + hi*lo + lo*hi keeps
@@ -109,12 +115,13 @@ def mhc_pre_bwd_stats_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: 
                     T.copy(PhiHL[:, i * Dp + d0:i * Dp + d0 + block_d], phs[i])
                 if has_g_in:
                     T.copy(GIn[t0:t0 + block_t, d0:d0 + block_d], gs)
-                for i in streams:
-                    T.gemm(xs[i], phs[i], mix2, transpose_B=True)
-                if has_g_in:
+                    # The dots before the products, so that their shared loads have returned when the
+                    # products end and TileLang releases the tiles to the producer (module docstring).
                     for i in streams:
                         for t, d in T.Parallel(block_t, block_d):
                             dots[i][t, d] += T.cast(xs[i][t, d], "float32") * T.cast(gs[t, d], "float32")
+                for i in streams:
+                    T.gemm(xs[i], phs[i], mix2, transpose_B=True)
 
             if has_g_in:
                 for i in streams:
