@@ -74,13 +74,14 @@ class _TilePlan:
         self.groups = num_heads // num_kv_heads
         self.pack = pack = head_pack(num_heads, num_kv_heads, block_M)
         self.tokens = block_M // pack  # per tile; rows past tokens * pack are padding
+        self.block_N = block_N
         self.dims = T.dynamic("total_q, num_seqs, num_blocks, max_blocks, num_tiles")
         total_q, _, num_blocks, _, _ = self.dims
         self.kv_shape = ((num_blocks, num_kv_heads, block_size, head_size) if kv_layout == "HND" else
                          (num_blocks, block_size, num_kv_heads, head_size))
         self.q_shape = (total_q, num_heads, head_size)
         self.pages = list(range(max(1, block_N // block_size)))  # page copies per KV tile (Python-unrolled)
-        self.rows_per_copy = rows_per_copy = min(block_size, block_N)
+        rows_per_copy = min(block_size, block_N)
         band = min(head_size, 1024 // _BITS[dtype])  # 128 bytes: the widest TMA box of a swizzled tile
         accum = "float32"
         scale_log2 = scale * _LOG2E  # exp2 is one instruction: softmax runs in the log2 domain
@@ -96,38 +97,36 @@ class _TilePlan:
         self.page_ids = page_ids
 
         @T.macro
-        def load_pages(cache, dst, blocks, kv_head, kt):
+        def load_pages(cache, dst, blocks, kv_head, kt, bars=None, st=None):
             # One bulk copy per (page or block_N slice of a page, 128-byte column band): a band is one
             # contiguous run of the swizzled shared tile, as the TMA lowering requires. `dst` is a
             # [block_N, head_size] tile (T.copy: TileLang adds the mbarriers) or, with `bars`, stage
-            # `st` of a ring whose copies all complete on bars[st].
+            # `st` of a ring whose copies all complete on bars[st] (T.tma_copy).
             for p in self.pages:
                 for c in range(0, head_size, band):
                     rows = slice(p * rows_per_copy, (p + 1) * rows_per_copy)
                     if kv_layout == "HND":
-                        T.copy(cache[blocks[p], kv_head, page_rows(kt, p), c:c + band], dst[rows, c:c + band])
+                        src = cache[blocks[p], kv_head, page_rows(kt, p), c:c + band]
                     else:
-                        T.copy(cache[blocks[p], page_rows(kt, p), kv_head, c:c + band], dst[rows, c:c + band])
+                        src = cache[blocks[p], page_rows(kt, p), kv_head, c:c + band]
+                    if bars is None:
+                        T.copy(src, dst[rows, c:c + band])
+                    else:
+                        T.tma_copy(src, dst[st, rows, c:c + band], barrier=bars[st])
         self.load_pages = load_pages
-
-        @T.macro
-        def load_pages_async(cache, ring, st, bars, blocks, kv_head, kt):
-            for p in self.pages:
-                for c in range(0, head_size, band):
-                    rows = slice(p * rows_per_copy, (p + 1) * rows_per_copy)
-                    if kv_layout == "HND":
-                        T.tma_copy(cache[blocks[p], kv_head, page_rows(kt, p), c:c + band],
-                                   ring[st, rows, c:c + band], barrier=bars[st])
-                    else:
-                        T.tma_copy(cache[blocks[p], page_rows(kt, p), kv_head, c:c + band],
-                                   ring[st, rows, c:c + band], barrier=bars[st])
-        self.load_pages_async = load_pages_async
 
         @T.macro
         def load_q(Q, q_s, q_begin, q0, q_len, head0):
             for i, d in T.Parallel(block_M, head_size):  # tokens past q_len repeat its last one
                 q_s[i, d] = Q[q_begin + T.max(T.min(q0 + i // pack, q_len - 1), 0), head0 + i % pack, d]
         self.load_q = load_q
+
+        @T.macro
+        def load_slopes(AlibiSlopes, slope, head0):
+            # In units of raw scores (the softmax scales them): alibi slope / scale.
+            for i in T.Parallel(block_M):
+                slope[i] = AlibiSlopes[head0 + i % pack] / scale
+        self.load_slopes = load_slopes
 
         @T.macro
         def mask_scores(acc_s, slope, kt, pos0):
@@ -185,6 +184,10 @@ class _TilePlan:
         rows = T.if_then_else(busy, T.min(self.tokens, q_len - q0), 0)  # valid tokens in this tile
         return busy, seq, head0 // self.groups, head0, q_begin, q_len, q0, kv_len, pos0, rows
 
+    def kv_steps(self, busy, pos0, rows):
+        """KV tiles of a query tile, up to its diagonal (0 when idle)."""
+        return T.if_then_else(busy, T.ceildiv(pos0 + rows, self.block_N), 0)
+
 
 def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: str,
                             use_alibi: bool, kv_layout: str, scale: float, num_ctas: int, block_N: int = 128,
@@ -198,6 +201,14 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
     total_q, num_seqs, num_blocks, max_blocks, num_tiles = plan.dims
     head_groups = num_heads // plan.pack
     accum = "float32"
+
+    def ring_stage(i):
+        """The ring buffer of a CTA's i-th KV step."""
+        return i % num_stages
+
+    def ring_phase(i):
+        """The mbarrier phase of the i-th KV step's use of its buffer."""
+        return (i // num_stages) % 2
 
     @T.prim_func
     def paged_prefill_ws(
@@ -240,15 +251,15 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
                     work = cta + w * num_ctas
                     busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = plan.tile(
                         TileSeq, TileQ0, CumSeqLensQ, SeqLens, work // head_groups, work % head_groups)
-                    for kt in T.serial(T.if_then_else(busy, T.ceildiv(pos0 + rows, block_N), 0)):
-                        st = step % num_stages
-                        phase = (step // num_stages) % 2
+                    for kt in T.serial(plan.kv_steps(busy, pos0, rows)):
+                        st = ring_stage(step)
+                        phase = ring_phase(step)
                         blocks = plan.page_ids(BlockTables, seq, kv_len, kt)
                         T.barrier_wait(k_free[st], phase ^ 1)
-                        plan.load_pages_async(KCache, k_ring, st, k_full, blocks, kv_head, kt)
+                        plan.load_pages(KCache, k_ring, blocks, kv_head, kt, k_full, st)
                         T.barrier_arrive(k_full[st])
                         T.barrier_wait(v_free[st], phase ^ 1)
-                        plan.load_pages_async(VCache, v_ring, st, v_full, blocks, kv_head, kt)
+                        plan.load_pages(VCache, v_ring, blocks, kv_head, kt, v_full, st)
                         T.barrier_arrive(v_full[st])
                         step = step + 1
             else:  # consumer warpgroups: 64 query rows each
@@ -257,25 +268,24 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
                     work = cta + w * num_ctas
                     busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = plan.tile(
                         TileSeq, TileQ0, CumSeqLensQ, SeqLens, work // head_groups, work % head_groups)
-                    steps = T.if_then_else(busy, T.ceildiv(pos0 + rows, block_N), 0)
+                    steps = plan.kv_steps(busy, pos0, rows)
                     T.sync_threads(_Q_BAR, 256)  # both warpgroups are done with the previous item's Q
                     plan.load_q(Q, q_s, q_begin, q0, q_len, head0)
                     if use_alibi:
-                        for i in T.Parallel(block_M):
-                            slope[i] = AlibiSlopes[head0 + i % plan.pack] / scale
+                        plan.load_slopes(AlibiSlopes, slope, head0)
                     T.fill(acc_o, 0)
                     T.fill(denom, 0)
                     T.fill(m_cur, -T.infinity(accum))
                     for kt in T.serial(steps):
                         # Scores of step kt, then P @ V of step kt-1 behind them: the softmax below
                         # runs while the tensor cores finish that product.
-                        st = (step + kt) % num_stages
-                        prev = (step + kt + num_stages - 1) % num_stages
-                        T.barrier_wait(k_full[st], ((step + kt) // num_stages) % 2)
+                        st = ring_stage(step + kt)
+                        prev = ring_stage(step + kt - 1)
+                        T.barrier_wait(k_full[st], ring_phase(step + kt))
                         T.wgmma_gemm(q_s, k_ring[st, :, :], acc_s, transpose_B=True, clear_accum=True,
                                      policy=T.GemmWarpPolicy.FullRow)
                         if kt > 0:
-                            T.barrier_wait(v_full[prev], ((step + kt - 1) // num_stages) % 2)
+                            T.barrier_wait(v_full[prev], ring_phase(step + kt - 1))
                             T.wgmma_gemm(acc_p, v_ring[prev, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
                             T.wait_wgmma(1)
                         else:
@@ -291,8 +301,8 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
                             acc_o[i, d] *= rescale[i]
                         T.copy(acc_s, acc_p)
                     if steps > 0:  # P @ V of the last step
-                        last = (step + steps - 1) % num_stages
-                        T.barrier_wait(v_full[last], ((step + steps - 1) // num_stages) % 2)
+                        last = ring_stage(step + steps - 1)
+                        T.barrier_wait(v_full[last], ring_phase(step + steps - 1))
                         if steps * block_N > kv_len:
                             plan.zero_v_tail(v_ring, steps - 1, kv_len, last)
                         T.gemm(acc_p, v_ring[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
@@ -358,13 +368,12 @@ def paged_prefill_gather_kernel(num_heads: int, num_kv_heads: int, head_size: in
                 TileSeq, TileQ0, CumSeqLensQ, SeqLens, tile, head_group)
             plan.load_q(Q, q_s, q_begin, q0, q_len, head0)
             if use_alibi:
-                for i in T.Parallel(block_M):
-                    slope[i] = AlibiSlopes[head0 + i % plan.pack] / scale
+                plan.load_slopes(AlibiSlopes, slope, head0)
             T.fill(acc_o, 0)
             T.fill(denom, 0)
             T.fill(m_cur, -T.infinity(accum))
 
-            for kt in T.Pipelined(T.if_then_else(busy, T.ceildiv(pos0 + rows, block_N), 0), num_stages=num_stages):
+            for kt in T.Pipelined(plan.kv_steps(busy, pos0, rows), num_stages=num_stages):
                 if paged:
                     # The page ids are the loop body's leading bindings: the warp-specialization
                     # pass keeps those in the producer branch (read once for K and V, ahead of
