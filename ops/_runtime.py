@@ -11,6 +11,7 @@ Environment variables:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -51,6 +52,16 @@ def target() -> dict:
         # sm_90a unlocks wgmma/TMA paths; other arches have no arch-specific suffix we rely on.
         return {"kind": "cuda", "arch": f"sm_{major}{minor}{'a' if major == 9 else ''}"}
     return dict(_DEFAULT_TARGET)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device | None = None) -> int:
+    """SMs of a GPU (the current one by default); an H100 / H200 SXM's 132 without CUDA, so that
+    kernels sized by it still build for sm_90a on a CPU machine."""
+    if not torch.cuda.is_available():
+        return 132
+    return torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device) \
+        .multi_processor_count
 
 
 def compile_kernel(prim_func, out_idx=None, pass_configs: dict | None = None):

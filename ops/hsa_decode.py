@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from ._runtime import check_choice, check_int, check_tensor, compile_kernel, resolve_config
+from ._runtime import check_choice, check_int, check_tensor, compile_kernel, resolve_config, sm_count
 
 import tilelang.language as T  # noqa: E402  (after _runtime set the cache dir)
 
@@ -587,11 +587,6 @@ def _dtype_name(dtype) -> str:
     return _DTYPES[dtype]
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _check_values(checks: list[tuple[str, torch.Tensor]]) -> None:
     """Raise ValueError for the first failed (message, bool tensor) check: one host sync for all."""
     if not checks:
@@ -803,7 +798,7 @@ class HSADecodeTileLang:
         """Decode splits for a batch (from shapes and the device only, so calls stay capturable)."""
         sp = self.spec
         n_items = sp["topk"] + _local_pages_max(sp["page_size"], sp["window_size"])
-        slots = _sm_count(torch.device(device)) * self.decode_ctas_per_sm
+        slots = sm_count(torch.device(device)) * self.decode_ctas_per_sm
         return _num_splits(batch * sp["num_kv_heads"], n_items, slots, self.config["split_overhead"])
 
     @staticmethod

@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from ._runtime import check_choice, check_int, check_tensor, compile_kernel, resolve_config
+from ._runtime import check_choice, check_int, check_tensor, compile_kernel, resolve_config, sm_count
 
 import tilelang.language as T  # noqa: E402  (after _runtime set the cache dir)
 
@@ -426,12 +426,6 @@ def _default_config(head_size: int, dtype: str, block_size: int = 16) -> dict:
     return {"block_M": 128, "block_N": 128, "num_stages": stages, "threads": 256}
 
 
-def _sm_count() -> int:
-    """SMs of the current GPU (the persistent grid); an H100 / H200 SXM's 132 without one."""
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
-        if torch.cuda.is_available() else 132
-
-
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 else t.to(torch.int32)
 
@@ -495,7 +489,7 @@ class PagedAttentionPrefillTileLang:
         self.dtype, self.use_alibi, self.kv_layout, self.validate = dtype, use_alibi, kv_layout, validate
         self.spec = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_size": head_size,
                      "block_size": block_size, "dtype": _DTYPES[dtype], "use_alibi": use_alibi,
-                     "kv_layout": kv_layout, "scale": float(scale), "num_ctas": _sm_count()}
+                     "kv_layout": kv_layout, "scale": float(scale), "num_ctas": sm_count()}
         self.config = resolve_config(self.op_name, self.spec, config,
                                      _default_config(head_size, _DTYPES[dtype], block_size))
         self._no_alibi = {}
