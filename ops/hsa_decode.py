@@ -8,7 +8,8 @@ Selection (``select``) is two or three kernels: ``hsa_score`` gathers the reques
 stopping as soon as the k-th key's digits are settled; the index digits only matter on exact score ties
 and then make them go to the smaller logical page. The k winners are ranked by the same key. Rows longer
 than ``topk_config["segment"]`` keys take two stages (top-k of each segment, then of their winners), so
-they run on many CTAs, not one per (request, kv head).
+they run on many CTAs, not one per (request, kv head); the merge ranks up to 512 winners by counting
+(one pass over shared memory) instead of radix passes.
 
 Decode is split-K: the items of a (request, kv head) are its selected pages then the pages holding its
 local tokens; split ``s`` of ``num_splits`` takes a contiguous range of items, so the grid is
@@ -39,6 +40,8 @@ _LOG2E = 1.4426950408889634
 _RADIX = 256  # histogram bins of one radix-select digit (= threads of the top-k kernel)
 _KEY_BATCH = 8  # keys each top-k thread loads at once
 _IDX_BITS = 24  # logical page index bits of the selection key (max_pages < 2**24)
+_RANK_MAX = 2 * _RADIX  # merge rows up to this many candidates are ranked by counting, not radix passes
+_RANK_UNROLL = 8
 _VEC = 8  # 16-bit elements of one 16-byte load
 _QROWS_DECODE = 16  # query rows of the decode products (one mma M tile; G <= 16)
 _ZCOLS = 32  # reprs of a split's selected pages: the N of the z product (>= items per split)
@@ -128,19 +131,21 @@ def _score_to_key(score):
 
 def hsa_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
                      selection_strategy: str, window_size: int, scale: float,
-                     pages_per_thread: int = 32, unroll: int = 4, blocks_per_sm: int | None = None):
+                     pages_per_thread: int = 32, unroll: int = 2, blocks_per_sm: int | None = None):
     """keys[b, h, j] for candidate pages j < n_cand(b): sortable bits of the score, 0 when the repr is
     invalid. A bandwidth kernel without tensor cores: each thread reads 16 bytes (8 dims of one kv head)
     of a page's repr row per page, dots them with its query slice in fp32, and the head's lanes reduce
-    with shuffles. A CTA covers rows x pages_per_thread pages of a request; each thread keeps `unroll`
-    pages' loads in flight and fetches the next batch's page ids (page_table) while the current batch's
-    reprs arrive, so the chain page_table -> reprs costs one latency per batch, not two. ``blocks_per_sm``
+    with shuffles. A CTA covers rows x pages_per_thread pages of a request, in batches of `unroll` pages
+    per thread, double-buffered in registers: batch i + 1's loads are issued before batch i is consumed,
+    and the page ids (page_table) of batch i + 2 are fetched meanwhile, so a thread always has two
+    batches in flight and the chain page_table -> reprs is off the critical path. ``blocks_per_sm``
     (CTAs per SM the register use must allow) trades CTAs for pages in flight per thread (``unroll``)."""
     G = num_heads // num_kv_heads
     hc, rows = _score_layout(num_kv_heads, head_dim)
     lph = head_dim // _VEC
     threads = rows * hc * lph
-    n_iter = max(1, pages_per_thread // unroll)
+    n_iter = max(2, -(-pages_per_thread // unroll))
+    n_iter += n_iter % 2  # batches go in pairs (one per register buffer)
     block_pages = rows * n_iter * unroll
     NQ = 1 if selection_strategy == "group" else G  # query vectors a thread dots with each repr slice
     if blocks_per_sm is None:
@@ -148,6 +153,39 @@ def hsa_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size
         blocks_per_sm = max(1, (1024 if NQ == 1 else 512) // threads)
     batch, max_pages, num_pages = T.dynamic("batch, max_pages, num_pages")
     f32 = "float32"
+
+    # Register buffer `buf` (a Python int) holds one batch: reprs e, their valid bytes, page ids pid (-1:
+    # none). Page of (batch it, slot u): j0 + (it * unroll + u) * rows + row.
+    @T.macro
+    def fetch_ids(pid, buf, it, page_table, b, j0, row, n_cand, max_pages):
+        for u in T.unroll(unroll):
+            j = j0 + (it * unroll + u) * rows + row
+            pid[buf, u] = T.if_then_else(it < n_iter and j < n_cand, page_table[b, T.min(j, max_pages - 1)], -1)
+
+    @T.macro
+    def issue(e, valid, pid, buf, chunk_repr, repr_valid, h, lane):
+        for u in T.unroll(unroll):
+            valid[buf, u] = T.uint8(0)
+            if pid[buf, u] >= 0:
+                for v in T.vectorized(_VEC):
+                    e[buf, u, v] = chunk_repr[pid[buf, u], h, lane * _VEC + v]
+                valid[buf, u] = repr_valid[pid[buf, u]]
+
+    @T.macro
+    def consume(e, valid, buf, it, qv, part, keys_s, hh, row, lane):
+        for u in T.unroll(unroll):
+            for g in T.unroll(NQ):
+                part[g] = 0
+                for v in T.unroll(_VEC):
+                    part[g] += T.cast(e[buf, u, v], f32) * qv[g, v]
+                # The head's lph lanes are aligned within the warp: xor offsets < lph stay in it.
+                for k in T.unroll(lph.bit_length() - 1):
+                    part[g] += T.shfl_xor(part[g], lph >> (k + 1))
+            for g in T.unroll(1, NQ):  # head strategy: the best of the group's scores
+                part[0] = T.max(part[0], part[g])
+            if lane == 0:
+                keys_s[hh, (it * unroll + u) * rows + row] = T.if_then_else(
+                    valid[buf, u] != 0, _score_to_key(part[0] * scale), _u32(0))
 
     @T.prim_func
     def hsa_score(q: T.Tensor((batch, num_heads, head_dim), dtype),
@@ -165,17 +203,23 @@ def hsa_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size
             h = hb * hc + hh
             keys_s = T.alloc_shared((hc, block_pages), "uint32")
             qv = T.alloc_local((NQ, _VEC), f32)
-            e = T.alloc_local((unroll, _VEC), dtype)
-            pid = T.alloc_local((unroll,), "int32")
-            pid_next = T.alloc_local((unroll,), "int32")
-            ok = T.alloc_local((unroll,), "bool")
+            # Two register buffers of one batch each: reprs, their valid bytes, and page ids (-1: none).
+            e = T.alloc_local((2, unroll, _VEC), dtype)
+            valid = T.alloc_local((2, unroll), "uint8")
+            pid = T.alloc_local((2, unroll), "int32")
             part = T.alloc_local((NQ,), f32)
-            s = T.alloc_var(f32)
             L = seq_lens[b]
             lo = _first_local(L, page_size, window_size)
             n_cand = lo // page_size
             j0 = c * block_pages
+            ids_at = (page_table, b, j0, row, n_cand, max_pages)
+            repr_at = (chunk_repr, repr_valid, h, lane)
+            key_at = (qv, part, keys_s, hh, row, lane)
             if j0 < n_cand:
+                fetch_ids(pid, 0, 0, *ids_at)
+                fetch_ids(pid, 1, 1, *ids_at)
+                issue(e, valid, pid, 0, *repr_at)
+                fetch_ids(pid, 0, 2, *ids_at)
                 for v in T.unroll(_VEC):
                     if selection_strategy == "group":
                         qv[0, v] = 0
@@ -184,36 +228,14 @@ def hsa_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size
                     else:
                         for g in T.unroll(G):
                             qv[g, v] = T.cast(q[b, h * G + g, lane * _VEC + v], f32)
-                # Page j of (batch it, slot u): j0 + (it * unroll + u) * rows + row; -1 past n_cand.
-                for u in T.unroll(unroll):
-                    j = j0 + u * rows + row
-                    pid[u] = T.if_then_else(j < n_cand, page_table[b, T.min(j, max_pages - 1)], -1)
-                for it in T.serial(n_iter):
-                    for u in T.unroll(unroll):
-                        ok[u] = pid[u] >= 0
-                        if ok[u]:
-                            for v in T.vectorized(_VEC):
-                                e[u, v] = chunk_repr[pid[u], h, lane * _VEC + v]
-                            ok[u] = repr_valid[pid[u]] != 0
-                    for u in T.unroll(unroll):
-                        j = j0 + ((it + 1) * unroll + u) * rows + row
-                        pid_next[u] = T.if_then_else(it + 1 < n_iter and j < n_cand,
-                                                     page_table[b, T.min(j, max_pages - 1)], -1)
-                    for u in T.unroll(unroll):
-                        for g in T.unroll(NQ):
-                            part[g] = 0
-                            for v in T.unroll(_VEC):
-                                part[g] += T.cast(e[u, v], f32) * qv[g, v]
-                            # The head's lph lanes are aligned within the warp: xor offsets < lph stay in it.
-                            for k in T.unroll(lph.bit_length() - 1):
-                                part[g] += T.shfl_xor(part[g], lph >> (k + 1))
-                        s = part[0]
-                        for g in T.unroll(1, NQ):
-                            s = T.max(s, part[g])
-                        key = _score_to_key(s * scale)
-                        if lane == 0:
-                            keys_s[hh, (it * unroll + u) * rows + row] = T.if_then_else(ok[u], key, _u32(0))
-                        pid[u] = pid_next[u]
+                for it2 in T.serial(n_iter // 2):
+                    it = it2 * 2
+                    issue(e, valid, pid, 1, *repr_at)  # batch it + 1
+                    fetch_ids(pid, 1, it + 3, *ids_at)
+                    consume(e, valid, 0, it, *key_at)
+                    issue(e, valid, pid, 0, *repr_at)  # batch it + 2
+                    fetch_ids(pid, 0, it + 4, *ids_at)
+                    consume(e, valid, 1, it + 1, *key_at)
                 T.sync_threads()
                 for i in T.serial(T.ceildiv(hc * block_pages, threads)):
                     idx = i * threads + tx
@@ -372,6 +394,38 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
                 selected_page_ids[b, h, i] = -1
                 selected_scores[b, h, i] = -T.infinity("float32")
 
+    @T.macro
+    def rank_select(cand_keys, cand_pages, page_table, b, h, n, selected_page_ids, selected_scores):
+        """Top-k of n <= _RANK_MAX candidates by counting, for the short rows of the merge stage (each
+        radix pass costs a global round trip and four barriers): a candidate's rank is the number of
+        candidates before it in the (key, smaller page) order, and rank < topk goes straight to its slot.
+        Slots are first filled with -1 / -inf, so those past the candidates stay padded."""
+        tx = T.get_thread_binding()
+        comp = T.alloc_shared((_RANK_MAX,), "uint64")  # key << _IDX_BITS | (idx_top - page); 0: none
+        rank = T.alloc_var("int32")
+        for i in T.unroll(_RANK_MAX // NT):
+            idx = i * NT + tx
+            comp[idx] = T.if_then_else(
+                idx < n, (T.cast(cand_keys[b, h, T.min(idx, n - 1)], "uint64") << _IDX_BITS)
+                | T.cast(idx_top - cand_pages[b, h, T.min(idx, n - 1)], "uint64"), T.uint64(0))
+        for it in T.serial(T.ceildiv(topk, NT)):
+            if it * NT + tx < topk:
+                selected_page_ids[b, h, it * NT + tx] = -1
+                selected_scores[b, h, it * NT + tx] = -T.infinity("float32")
+        T.sync_threads()
+        for i in T.unroll(_RANK_MAX // NT):
+            mine = comp[i * NT + tx]
+            if mine >> _IDX_BITS != T.uint64(0):
+                rank = 0
+                # Zero padding past n never outranks a candidate: no bound check in the unrolled loop.
+                for m0 in T.serial(T.ceildiv(n, _RANK_UNROLL)):
+                    for mm in T.unroll(_RANK_UNROLL):
+                        rank += T.if_then_else(comp[m0 * _RANK_UNROLL + mm] > mine, 1, 0)
+                if rank < topk:
+                    page = idx_top - T.cast(mine & T.uint64(idx_top), "int32")
+                    selected_page_ids[b, h, rank] = page_table[b, page]
+                    selected_scores[b, h, rank] = _key_to_score(T.cast(mine >> _IDX_BITS, "uint32"))
+
     def n_cand_of(seq_lens, b):
         return _first_local(seq_lens[b], page_size, window_size) // page_size
 
@@ -423,8 +477,11 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
                 k_eff = T.alloc_local((1,), "int32")
                 # Only the segments that hold candidates of this request.
                 n = T.min(n_cands, T.ceildiv(n_cand_of(seq_lens, b), segment) * topk)
-                select(cand_keys, cand_pages, b, h, 0, n, win_key, win_page, k_eff)
-                write_ranked(win_key, win_page, k_eff, page_table, b, h, selected_page_ids, selected_scores)
+                if n <= _RANK_MAX:
+                    rank_select(cand_keys, cand_pages, page_table, b, h, n, selected_page_ids, selected_scores)
+                else:
+                    select(cand_keys, cand_pages, b, h, 0, n, win_key, win_page, k_eff)
+                    write_ranked(win_key, win_page, k_eff, page_table, b, h, selected_page_ids, selected_scores)
 
     return hsa_topk
 

@@ -28,6 +28,9 @@ SPECS = {
     # rows longer than the top-k segment: two-stage selection (segment top-k, then merge)
     "seg": dict(num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, topk=40, dtype=torch.float16,
                 selection_strategy="group", window_size=32, combine="softmax", topk_config={"segment": 256}),
+    # more segment winners than the merge ranks by counting (> 512): the merge runs radix passes
+    "segr": dict(num_heads=4, num_kv_heads=2, head_dim=64, page_size=16, topk=128, dtype=torch.bfloat16,
+                 selection_strategy="head", window_size=16, combine="token", topk_config={"segment": 256}),
 }
 # Ragged lengths: 1 token, page boundaries, no candidates, candidates fewer / more than topk.
 SEQ_LENS = {
@@ -38,6 +41,7 @@ SEQ_LENS = {
     "g4": [33, 640, 2000, 5],
     "splits": [1, 64, 65, 700, 4160, 20000, 9001],
     "seg": [1, 300, 4100, 20000, 4112, 9000],  # 1..1248 candidates: up to 5 segments, some with none
+    "segr": [40000, 3000, 1, 9000],  # 2499 candidates: 10 segments, 1280 merge candidates
 }
 _OPS = {}
 # Output tolerances (inputs are rounded to the dtype, P is rounded to it before the PV product).
@@ -108,14 +112,16 @@ def test_ties_go_to_smaller_logical_page():
     assert (ids_ref[2, :, :16] == inputs["page_table"][2, :16]).all()  # 2000 tokens: 62 candidates
 
 
-def test_ties_go_to_smaller_logical_page_two_stage():
+@pytest.mark.parametrize("name,row", [("seg", 3), ("segr", 0)])  # merge by counting / by radix passes
+def test_ties_go_to_smaller_logical_page_two_stage(name, row):
     """Equal scores across segments: each segment keeps its smallest pages, the merge the smallest of those."""
-    op, inputs = get_op("seg"), make_case("seg", seed=4, invalid_frac=0.0)
+    op, inputs = get_op(name), make_case(name, seed=4, invalid_frac=0.0)
     inputs["chunk_repr"][:] = inputs["chunk_repr"][0]
     ids, _ = op.select(inputs["q"], inputs["page_table"], inputs["seq_lens"], inputs["chunk_repr"])
-    _, ids_ref, _ = golden_of("seg", inputs)
+    _, ids_ref, _ = golden_of(name, inputs)
     assert torch.equal(ids, ids_ref)
-    assert (ids_ref[3, :, :40] == inputs["page_table"][3, :40]).all()
+    k = SPECS[name]["topk"]
+    assert (ids_ref[row, :, :k] == inputs["page_table"][row, :k]).all()
 
 
 def test_bench_rows_past_one_segment(poisoned):
