@@ -18,7 +18,7 @@ Two kernels share that plan:
   persistent (one CTA per SM walks (tile, head group) items): a producer warpgroup loads whole
   pages of K and V by TMA (one copy per page, or `block_N` slice of a larger page, and 128-byte
   column band) into a ring of `num_stages` buffers, one full / free mbarrier pair per buffer, and
-  runs ahead into the next item; two consumer warpgroups (64 query rows each) issue the scores of
+  runs ahead into the next item, whose Q tile it also loads by TMA (two Q buffers where they fit); two consumer warpgroups (64 query rows each) issue the scores of
   KV tile j and the P @ V product of tile j-1 together, so the softmax of tile j overlaps that
   product on the tensor cores. The causal mask is applied only to tiles that cross the diagonal.
 - `paged_prefill_gather_kernel` (fp32 as TF32, whose P goes through shared memory; pages under 16
@@ -122,6 +122,23 @@ class _TilePlan:
         self.load_q = load_q
 
         @T.macro
+        def load_q_tma(Q, q_ring, bars, qb, q_begin, q0, q_len, head0):
+            # Stage qb of a Q ring, completing on bars[qb]: tile rows (token, head) are token-major, so
+            # one copy per token of its `pack` heads (a [tokens, pack] box is 3D, which TileLang's TMA
+            # lowering does not take), or one copy of all tokens when pack == 1. Rows past q_len
+            # are padding (never stored): with pack == 1 they read the next tokens or TMA's zeros.
+            for c in range(0, head_size, band):
+                if pack == 1:
+                    T.tma_copy(Q[q_begin + q0:q_begin + q0 + self.tokens, head0, c:c + band],
+                               q_ring[qb, :, c:c + band], barrier=bars[qb])
+                else:
+                    for t in range(self.tokens):
+                        tok = q_begin + T.max(T.min(q0 + t, q_len - 1), 0)
+                        T.tma_copy(Q[tok, head0:head0 + pack, c:c + band],
+                                   q_ring[qb, t * pack:(t + 1) * pack, c:c + band], barrier=bars[qb])
+        self.load_q_tma = load_q_tma
+
+        @T.macro
         def load_slopes(AlibiSlopes, slope, head0):
             # In units of raw scores (the softmax scales them): alibi slope / scale.
             for i in T.Parallel(block_M):
@@ -170,10 +187,11 @@ class _TilePlan:
                     Out[q_begin + q0 + i // pack, head0 + i % pack, d] = T.cast(acc_o[i, d] / denom[i], dtype)
         self.store_out = store_out
 
-    def tile(self, TileSeq, TileQ0, CumSeqLensQ, SeqLens, tile, head_group):
+    def tile(self, TileSeq, TileQ0, CumSeqLensQ, SeqLens, tile, head_group, exists=True):
         """The CTA's query tile: (busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows).
-        An idle tile reads sequence 0's scalars, runs zero KV steps and writes nothing."""
-        busy = TileSeq[tile] >= 0
+        An idle tile (or one that does not `exist`: `tile` is then clamped by the caller) reads
+        sequence 0's scalars, runs zero KV steps and writes nothing."""
+        busy = T.And(exists, TileSeq[tile] >= 0)
         seq = T.max(TileSeq[tile], 0)
         head0 = head_group * self.pack
         q0 = TileQ0[tile]
@@ -201,6 +219,8 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
     total_q, num_seqs, num_blocks, max_blocks, num_tiles = plan.dims
     head_groups = num_heads // plan.pack
     accum = "float32"
+    # The producer loads the next item's Q while the consumers work on this one, when two Q tiles fit.
+    q_stages = 2 if (2 * block_M + 2 * num_stages * block_N) * head_size * 2 <= _WS_SMEM_LIMIT else 1
 
     def ring_stage(i):
         """The ring buffer of a CTA's i-th KV step."""
@@ -209,6 +229,15 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
     def ring_phase(i):
         """The mbarrier phase of the i-th KV step's use of its buffer."""
         return (i // num_stages) % 2
+
+    def work_tile(TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, w):
+        """plan.tile of the CTA's w-th work item. Items are (tile, head group) pairs, longest first, dealt
+        to the CTAs in rounds that alternate direction: dealt round-robin, CTA 0 would get the longest
+        item of every round (3% of (a)'s time in the slowest CTA's surplus)."""
+        work = w * num_ctas + T.if_then_else(w % 2 == 0, cta, num_ctas - 1 - cta)
+        tile = T.min(work // head_groups, num_tiles - 1)
+        return plan.tile(TileSeq, TileQ0, CumSeqLensQ, SeqLens, tile, work % head_groups,
+                         work < num_tiles * head_groups)
 
     @T.prim_func
     def paged_prefill_ws(
@@ -224,13 +253,15 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
         Out: T.Tensor(plan.q_shape, dtype),
     ):
         with T.Kernel(num_ctas, threads=_WS_THREADS) as cta:
-            q_s = T.alloc_shared((block_M, head_size), dtype)
+            q_ring = T.alloc_shared((q_stages, block_M, head_size), dtype)
             k_ring = T.alloc_shared((num_stages, block_N, head_size), dtype)
             v_ring = T.alloc_shared((num_stages, block_N, head_size), dtype)
             k_full = T.alloc_barrier([128] * num_stages)  # producer threads arrive, TMA bytes complete it
             v_full = T.alloc_barrier([128] * num_stages)
             k_free = T.alloc_barrier([256] * num_stages)  # consumer threads arrive when done reading
             v_free = T.alloc_barrier([256] * num_stages)
+            q_full = T.alloc_barrier([128] * q_stages)
+            q_free = T.alloc_barrier([256] * q_stages)
             acc_s = T.alloc_fragment((block_M, block_N), accum)
             acc_p = T.alloc_fragment((block_M, block_N), dtype)
             acc_o = T.alloc_fragment((block_M, head_size), accum)
@@ -242,15 +273,16 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
             slope = T.alloc_fragment((block_M,), accum)
             step = T.alloc_var("int32", init=0)  # KV steps done by this CTA: ring stage and phase
             tx = T.get_thread_binding()
-            # Work item w = (tile w // head_groups, head group w % head_groups): longest tiles first.
-            items = T.ceildiv(T.max(num_tiles * head_groups - cta, 0), num_ctas)
+            items = T.ceildiv(num_tiles * head_groups, num_ctas)  # rounds of work (work_tile)
 
             if tx >= 256:  # producer warpgroup: K and V pages of every KV step into the rings
                 T.set_max_nreg(24, 0)
                 for w in T.serial(items):
-                    work = cta + w * num_ctas
-                    busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = plan.tile(
-                        TileSeq, TileQ0, CumSeqLensQ, SeqLens, work // head_groups, work % head_groups)
+                    busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = work_tile(
+                        TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, w)
+                    T.barrier_wait(q_free[w % q_stages], (w // q_stages) % 2 ^ 1)
+                    plan.load_q_tma(Q, q_ring, q_full, w % q_stages, q_begin, q0, q_len, head0)
+                    T.barrier_arrive(q_full[w % q_stages])
                     for kt in T.serial(plan.kv_steps(busy, pos0, rows)):
                         st = ring_stage(step)
                         phase = ring_phase(step)
@@ -265,24 +297,23 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
             else:  # consumer warpgroups: 64 query rows each
                 T.set_max_nreg(240, 1)
                 for w in T.serial(items):
-                    work = cta + w * num_ctas
-                    busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = plan.tile(
-                        TileSeq, TileQ0, CumSeqLensQ, SeqLens, work // head_groups, work % head_groups)
+                    busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = work_tile(
+                        TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, w)
                     steps = plan.kv_steps(busy, pos0, rows)
-                    T.sync_threads(_Q_BAR, 256)  # both warpgroups are done with the previous item's Q
-                    plan.load_q(Q, q_s, q_begin, q0, q_len, head0)
+                    qb = w % q_stages
                     if use_alibi:
                         plan.load_slopes(AlibiSlopes, slope, head0)
                     T.fill(acc_o, 0)
                     T.fill(denom, 0)
                     T.fill(m_cur, -T.infinity(accum))
+                    T.barrier_wait(q_full[qb], (w // q_stages) % 2)
                     for kt in T.serial(steps):
                         # Scores of step kt, then P @ V of step kt-1 behind them: the softmax below
                         # runs while the tensor cores finish that product.
                         st = ring_stage(step + kt)
                         prev = ring_stage(step + kt - 1)
                         T.barrier_wait(k_full[st], ring_phase(step + kt))
-                        T.wgmma_gemm(q_s, k_ring[st, :, :], acc_s, transpose_B=True, clear_accum=True,
+                        T.wgmma_gemm(q_ring[qb, :, :], k_ring[st, :, :], acc_s, transpose_B=True, clear_accum=True,
                                      policy=T.GemmWarpPolicy.FullRow)
                         if kt > 0:
                             T.barrier_wait(v_full[prev], ring_phase(step + kt - 1))
@@ -300,6 +331,7 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
                         for i, d in T.Parallel(block_M, head_size):
                             acc_o[i, d] *= rescale[i]
                         T.copy(acc_s, acc_p)
+                    T.barrier_arrive(q_free[qb])  # the scores' products, its only readers, are done
                     if steps > 0:  # P @ V of the last step
                         last = ring_stage(step + steps - 1)
                         T.barrier_wait(v_full[last], ring_phase(step + steps - 1))

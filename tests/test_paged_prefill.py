@@ -259,6 +259,8 @@ COMPILE_SPECS = [
          kv_layout="HND"),
     dict(num_heads=8, num_kv_heads=1, head_size=256, block_size=64, dtype=torch.float16, use_alibi=False,
          kv_layout="HND"),
+    dict(num_heads=2, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16, use_alibi=False,
+         kv_layout="HND"),
 ]
 
 

@@ -26,6 +26,8 @@ GPU_CASES = [
      [1, 1, 1, 250], [100, 0, 63, 64]),
     (dict(num_heads=8, num_kv_heads=2, head_size=128, block_size=32, dtype=torch.bfloat16, use_alibi=True,
           kv_layout="NHD"), [33, 0, 200, 1], [500, 7, 0, 95]),  # whole-page loads from the NHD layout
+    (dict(num_heads=3, num_kv_heads=3, head_size=128, block_size=16, dtype=torch.float16, kv_layout="NHD"),
+     [130, 1, 300], [0, 77, 20]),  # one query head per tile row: Q tiles by one copy of all tokens
 ]
 
 
