@@ -18,9 +18,9 @@ Two kernels share that plan:
   persistent (one CTA per SM walks (tile, head group) items): a producer warpgroup loads whole
   pages of K and V by TMA (one copy per page, or `block_N` slice of a larger page, and 128-byte
   column band) into a ring of `num_stages` buffers, one full / free mbarrier pair per buffer, and
-  runs ahead into the next item, whose Q tile it also loads by TMA (two Q buffers where they fit); two consumer warpgroups (64 query rows each) issue the scores of
-  KV tile j and the P @ V product of tile j-1 together, so the softmax of tile j overlaps that
-  product on the tensor cores. The causal mask is applied only to tiles that cross the diagonal.
+  runs ahead into the next item, whose Q tile it also loads by TMA (two Q buffers where they fit);
+  two consumer warpgroups (64 query rows each) issue the scores of KV tile j and the P @ V product
+  of tile j-1 together, so the softmax of tile j overlaps that product on the tensor cores. The causal mask is applied only to tiles that cross the diagonal.
 - `paged_prefill_gather_kernel` (fp32 as TF32, whose P goes through shared memory; pages under 16
   rows, gathered row by row with cp.async): one software pipeline, TileLang warp-specializes its
   whole-page loads (pages of >= 32 rows) on its own.
@@ -49,8 +49,12 @@ _PAGE_LOADS_FROM = 32
 _WS_PAGES_FROM = 16
 _WS_BLOCK_M = 128  # two consumer warpgroups of 64 query rows
 _WS_THREADS = 384  # producer warpgroup + 2 consumer warpgroups
-_Q_BAR = 8  # named barrier of the consumer warpgroups (TileLang's own partial syncs take low ids)
 _WS_SMEM_LIMIT = 220 * 1024  # of the 227 KB a CTA may use; the rest is barriers and alignment
+
+
+def _ws_smem_fits(q_tiles: int, block_N: int, num_stages: int, head_size: int) -> bool:
+    """Whether the warp-specialized kernel's Q tiles and K / V rings fit its shared memory (16-bit)."""
+    return (q_tiles * _WS_BLOCK_M + 2 * num_stages * block_N) * head_size * 2 <= _WS_SMEM_LIMIT
 
 
 def head_pack(num_heads: int, num_kv_heads: int, block_M: int) -> int:
@@ -220,15 +224,15 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
     head_groups = num_heads // plan.pack
     accum = "float32"
     # The producer loads the next item's Q while the consumers work on this one, when two Q tiles fit.
-    q_stages = 2 if (2 * block_M + 2 * num_stages * block_N) * head_size * 2 <= _WS_SMEM_LIMIT else 1
+    q_stages = 2 if _ws_smem_fits(2, block_N, num_stages, head_size) else 1
 
-    def ring_stage(i):
-        """The ring buffer of a CTA's i-th KV step."""
-        return i % num_stages
+    def ring_stage(i, depth=num_stages):
+        """The buffer of a ring of `depth` buffers taking its i-th use (KV step, or work item for Q)."""
+        return i % depth
 
-    def ring_phase(i):
-        """The mbarrier phase of the i-th KV step's use of its buffer."""
-        return (i // num_stages) % 2
+    def ring_phase(i, depth=num_stages):
+        """The mbarrier phase of that use of its buffer."""
+        return (i // depth) % 2
 
     def work_tile(TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, w):
         """plan.tile of the CTA's w-th work item. Items are (tile, head group) pairs, longest first, dealt
@@ -280,9 +284,10 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
                 for w in T.serial(items):
                     busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = work_tile(
                         TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, w)
-                    T.barrier_wait(q_free[w % q_stages], (w // q_stages) % 2 ^ 1)
-                    plan.load_q_tma(Q, q_ring, q_full, w % q_stages, q_begin, q0, q_len, head0)
-                    T.barrier_arrive(q_full[w % q_stages])
+                    qb = ring_stage(w, q_stages)
+                    T.barrier_wait(q_free[qb], ring_phase(w, q_stages) ^ 1)
+                    plan.load_q_tma(Q, q_ring, q_full, qb, q_begin, q0, q_len, head0)
+                    T.barrier_arrive(q_full[qb])
                     for kt in T.serial(plan.kv_steps(busy, pos0, rows)):
                         st = ring_stage(step)
                         phase = ring_phase(step)
@@ -300,13 +305,13 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
                     busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = work_tile(
                         TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, w)
                     steps = plan.kv_steps(busy, pos0, rows)
-                    qb = w % q_stages
+                    qb = ring_stage(w, q_stages)
                     if use_alibi:
                         plan.load_slopes(AlibiSlopes, slope, head0)
                     T.fill(acc_o, 0)
                     T.fill(denom, 0)
                     T.fill(m_cur, -T.infinity(accum))
-                    T.barrier_wait(q_full[qb], (w // q_stages) % 2)
+                    T.barrier_wait(q_full[qb], ring_phase(w, q_stages))
                     for kt in T.serial(steps):
                         # Scores of step kt, then P @ V of step kt-1 behind them: the softmax below
                         # runs while the tensor cores finish that product.
@@ -488,7 +493,7 @@ class PagedAttentionPrefillTileLang:
         if warp_specialized(dtype, block_size):
             # Q plus num_stages x (K and V tiles) within shared memory.
             return [{"block_N": n, "num_stages": s} for n in (64, 128) for s in (2, 3)
-                    if (_WS_BLOCK_M + 2 * s * n) * head_size * 2 <= _WS_SMEM_LIMIT]
+                    if _ws_smem_fits(1, n, s, head_size)]
         # Two software-pipeline stages do not lower with the row-gather loads (small pages).
         stages = (1, 2) if block_size >= _PAGE_LOADS_FROM else (0, 1)
         big = head_size == 256 or dtype == "float32"
