@@ -11,6 +11,7 @@ Environment variables:
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import os
@@ -62,6 +63,53 @@ def sm_count(device: torch.device | None = None) -> int:
         return 132
     return torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device) \
         .multi_processor_count
+
+
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, padding, 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROBE_PTX = b".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry probe() { ret; }\n"
+
+
+@functools.lru_cache(maxsize=None)
+def max_active_clusters(cluster: int, threads: int, smem_bytes: int, device: int | None = None) -> int:
+    """How many clusters of `cluster` CTAs, each of `threads` threads and `smem_bytes` of dynamic shared
+    memory, the GPU holds at once (cuOccupancyMaxActiveClusters on an empty kernel of that shape: with
+    one CTA per SM this is set by how many SMs each GPC has, which no device property tells). A
+    persistent kernel launching more clusters than this runs the extra ones after the others finish.
+    Without CUDA: 7, an H100 / H200 SXM's count for 16-CTA clusters of one CTA per SM."""
+    if not torch.cuda.is_available():
+        return 7
+    torch.cuda.init()
+    with torch.cuda.device(torch.cuda.current_device() if device is None else device):
+        torch.cuda.current_stream().synchronize()  # the primary context is current on this thread
+        cuda = ctypes.CDLL("libcuda.so.1")
+        mod, fn, count = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_int()
+        steps = [("cuModuleLoadData", lambda: cuda.cuModuleLoadData(ctypes.byref(mod), _PROBE_PTX)),
+                 ("cuModuleGetFunction", lambda: cuda.cuModuleGetFunction(ctypes.byref(fn), mod, b"probe")),
+                 ("cuFuncSetAttribute", lambda: cuda.cuFuncSetAttribute(fn, 8, smem_bytes)),  # max dynamic smem
+                 ("cuFuncSetAttribute", lambda: cuda.cuFuncSetAttribute(fn, 14, 1))]  # non-portable clusters
+        attr = _LaunchAttr(id=4)  # cluster dimension
+        attr.value[0], attr.value[1], attr.value[2] = cluster, 1, 1
+        config = _LaunchConfig(grid=(ctypes.c_uint * 3)(cluster, 1, 1), block=(ctypes.c_uint * 3)(threads, 1, 1),
+                               smem=smem_bytes, attrs=ctypes.pointer(attr), num_attrs=1)
+        steps.append(("cuOccupancyMaxActiveClusters",
+                      lambda: cuda.cuOccupancyMaxActiveClusters(ctypes.byref(count), fn, ctypes.byref(config))))
+        try:
+            for name, step in steps:
+                err = step()
+                if err:
+                    raise RuntimeError(f"{name} failed with CUresult {err}")
+        finally:
+            if mod.value:
+                cuda.cuModuleUnload(mod)
+        return count.value
 
 
 def compile_kernel(prim_func, out_idx=None, pass_configs: dict | None = None):

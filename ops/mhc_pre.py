@@ -1,21 +1,24 @@
-"""mHC pre forward (`MHCForwardPreTileLang`): two kernels, no cross-CTA synchronization.
+"""mHC pre forward (`MHCForwardPreTileLang`).
 
-1. `mhc_pre_mix`: per tile of `block_t` tokens, the full n*D reduction h_mix = x @ phi^T on bf16 tensor
-   cores (phi split into bf16 hi + lo parts: ~16 mantissa bits, more than TF32), pipelined over K, with
-   the sum of squares taken from the same shared-memory tiles; its epilogue writes h_pre, h_post, h_res
-   and inv_rms. phi is re-read from L2 once per token tile, so tiles are tall.
+Single pass (`mhc_pre_fused`, shapes where `fused_fits`): x is read from memory once. A cluster of 16
+CTAs owns a tile of 64 tokens, each CTA D / 16 columns of every stream. A producer warpgroup streams
+the CTA's x chunks by TMA into a ring that holds the whole share (plus slack for the next tile) and
+phi's chunks (from L2) into a shallower ring; the consumer warpgroup accumulates its partial h_mix =
+x @ phi^T on bf16 tensor cores (phi split into bf16 hi + lo parts: ~16 mantissa bits, more than TF32)
+and the sum of squares, exchanges partials with the other 15 CTAs through distributed shared memory
+(a reduce-scatter, then an all-gather of h_pre), and writes h_in = sum_i h_pre[i] * x[i, :] from the
+chunks still in shared memory. Clusters are persistent, as many as the GPU holds at once.
+
+Two kernels (other shapes; x is read twice):
+1. `mhc_pre_mix`: per tile of `block_t` tokens, the full n*D reduction, pipelined over K, with the sum
+   of squares from the same tiles; its epilogue writes h_pre, h_post, h_res and inv_rms.
 2. `mhc_pre_apply`: h_in = sum_i h_pre[i] * x[i, :], a bandwidth-bound pass.
-
-x is read twice (once per kernel): the floor is 2 reads of x + 1 write of h_in. A single-pass design
-(x kept on chip while the tile's CTAs exchange partial sums) was tried; its per-tile synchronization
-left it latency-bound (docs/perf.md).
 """
-
-
 
 import torch
 
-from ._runtime import check_choice, check_int, check_tensor, compile_kernel, resolve_config
+from ._runtime import (check_choice, check_int, check_tensor, compile_kernel, max_active_clusters,
+                       resolve_config)
 
 import tilelang.language as T  # noqa: E402  (after _runtime set the cache dir)
 
@@ -125,6 +128,176 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
     return mhc_pre_mix
 
 
+_CLUSTER = 16  # CTAs per token tile (the largest cluster Hopper allows): each owns D / 16 columns
+_FUSED_T = 64  # tokens per tile: one wgmma M; phi (re-read per tile from L2) then costs as much as x
+_FUSED_K = 64  # columns per chunk: one 128-byte swizzled row per token
+_SMEM_BUDGET = 232448 - 2048  # Hopper's opt-in dynamic shared memory per block, less barriers and slack
+
+
+def fused_smem_bytes(n: int, x_slots: int, phi_stages: int) -> int:
+    """Shared memory of `mhc_pre_fused` (the x ring, phi's stages and the exchange buffers)."""
+    NG, G = phi_split_rows(n), _FUSED_T // _CLUSTER
+    return (x_slots * _FUSED_T * _FUSED_K * 2 + phi_stages * 2 * NG * _FUSED_K * 2
+            + (_FUSED_T + _CLUSTER * G) * (NG + 4) * 4 + (G + _FUSED_T) * n * 4)
+
+
+def fused_chunks(n: int, D: int) -> int:
+    """x chunks of a tile per CTA: n streams of D / 16 columns, _FUSED_K at a time."""
+    return n * D // (_CLUSTER * _FUSED_K)
+
+
+def fused_fits(n: int, D: int) -> bool:
+    """Whether the single-pass kernel applies: D splits into 16 whole column slices, and a CTA's share
+    of a tile (all of it stays in shared memory until h_in is written) fits beside two phi stages."""
+    return D % (_CLUSTER * _FUSED_K) == 0 and fused_smem_bytes(n, fused_chunks(n, D), 2) <= _SMEM_BUDGET
+
+
+def mhc_pre_fused_kernel(n: int, D: int, rms_eps: float, hc_eps: float, x_slots: int, phi_stages: int):
+    """Single pass over x (see the module docstring). `x_slots` >= a tile's chunks, the rest is slack
+    for the next tile's loads; `phi_stages` deep phi ring (its chunks come from L2)."""
+    N, NG = n * n + 2 * n, phi_split_rows(n)
+    C, block_t, block_k = _CLUSTER, _FUSED_T, _FUSED_K
+    G = block_t // C  # rank r of the cluster finishes tokens [r*G, (r+1)*G) of a tile
+    NP = NG + 4  # a partial row: h_mix columns, then the sum of squares (16-byte rows for the bulk copies)
+    Ds, Q = D // C, fused_chunks(n, D)
+    kcs = Ds // block_k  # chunks per stream; chunk q of a tile is stream q // kcs
+    R, PS = x_slots, phi_stages
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_pre_fused(
+        X: T.Tensor((num_tokens, n, D), "bfloat16"),
+        PhiHi: T.Tensor((NG, n, D), "bfloat16"),
+        PhiLo: T.Tensor((NG, n, D), "bfloat16"),
+        Alpha: T.Tensor((3,), "float32"),
+        Bias: T.Tensor((N,), "float32"),
+        HIn: T.Tensor((num_tokens, D), "bfloat16"),
+        HPost: T.Tensor((num_tokens, n), "float32"),
+        HRes: T.Tensor((num_tokens, n * n), "float32"),
+        InvRms: T.Tensor((num_tokens,), "float32"),
+        HPre: T.Tensor((num_tokens, n), "float32"),
+        num_clusters: T.int32,
+    ):
+        num_tiles = T.ceildiv(num_tokens, block_t)
+        with T.Kernel(C, T.min(num_tiles, num_clusters), threads=256, cluster_dims=(C, 1, 1)) as (rank, cid):
+            xs = T.alloc_shared((R, block_t, block_k), "bfloat16")
+            hi_s = T.alloc_shared((PS, NG, block_k), "bfloat16")
+            lo_s = T.alloc_shared((PS, NG, block_k), "bfloat16")
+            x_full = T.alloc_barrier([32] * R)  # the loading warp arrives, TMA bytes complete it
+            x_free = T.alloc_barrier([128] * R)  # consumer threads arrive once the tile's h_in used it
+            p_full = T.alloc_barrier([32] * PS)
+            p_free = T.alloc_barrier([128] * PS)
+            landed = T.alloc_cluster_barrier([C, C])  # partials, then h_pre, from every rank
+            acc = T.alloc_fragment((block_t, NG), "float32")
+            sq = T.alloc_fragment((block_t, block_k), "float32")
+            sumsq = T.alloc_fragment((block_t,), "float32")
+            part = T.alloc_shared((block_t, NP), "float32")
+            recv = T.alloc_shared((C, G, NP), "float32")
+            hpre_own = T.alloc_shared((G, n), "float32")
+            hpre = T.alloc_shared((block_t, n), "float32")
+            out_f = T.alloc_fragment((block_t, block_k), "float32")
+            out = T.alloc_fragment((block_t, block_k), "bfloat16")
+            tx = T.get_thread_binding()
+            d_base = rank * Ds
+            clusters = T.min(num_tiles, num_clusters)
+
+            if tx >= 128:  # producer warpgroup: one warp loads x chunks, one phi's, each in ring order
+                T.set_max_nreg(24, 0)
+                for k in T.serial(T.ceildiv(num_tiles - cid, clusters)):
+                    t0 = (cid + k * clusters) * block_t
+                    for q in T.serial(Q):
+                        seq = k * Q + q
+                        i, d0 = q // kcs, d_base + (q % kcs) * block_k
+                        if tx < 160:
+                            T.barrier_wait(x_free[seq % R], (seq // R) % 2 ^ 1)
+                            T.tma_copy(X[t0:t0 + block_t, i, d0:d0 + block_k], xs[seq % R, :, :],
+                                       barrier=x_full[seq % R])
+                            T.barrier_arrive(x_full[seq % R])
+                        elif tx < 192:
+                            T.barrier_wait(p_free[seq % PS], (seq // PS) % 2 ^ 1)
+                            T.tma_copy(PhiHi[:, i, d0:d0 + block_k], hi_s[seq % PS, :, :], barrier=p_full[seq % PS])
+                            T.tma_copy(PhiLo[:, i, d0:d0 + block_k], lo_s[seq % PS, :, :], barrier=p_full[seq % PS])
+                            T.barrier_arrive(p_full[seq % PS])
+            else:  # consumer warpgroup
+                T.set_max_nreg(240, 1)
+                for k in T.serial(T.ceildiv(num_tiles - cid, clusters)):
+                    t0 = (cid + k * clusters) * block_t
+
+                    # 1. This CTA's share of h_mix and of the sum of squares: its Ds columns of every stream.
+                    T.clear(acc)
+                    T.clear(sq)
+                    for q in T.serial(Q):
+                        seq = k * Q + q
+                        T.barrier_wait(x_full[seq % R], (seq // R) % 2)
+                        for t, kk in T.Parallel(block_t, block_k):
+                            sq[t, kk] += T.cast(xs[seq % R, t, kk], "float32") * T.cast(xs[seq % R, t, kk], "float32")
+                        T.barrier_wait(p_full[seq % PS], (seq // PS) % 2)
+                        T.wgmma_gemm(xs[seq % R, :, :], hi_s[seq % PS, :, :], acc, transpose_B=True,
+                                     policy=T.GemmWarpPolicy.FullRow)
+                        T.wgmma_gemm(xs[seq % R, :, :], lo_s[seq % PS, :, :], acc, transpose_B=True,
+                                     policy=T.GemmWarpPolicy.FullRow)
+                        # The previous chunk's two products are done (this chunk's stay in flight
+                        # while the next chunk's sum of squares runs): its phi stage is free.
+                        T.wait_wgmma(2)
+                        if q > 0:
+                            T.barrier_arrive(p_free[(seq - 1) % PS])
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(p_free[(k * Q + Q - 1) % PS])
+                    T.reduce_sum(sq, sumsq, dim=1)
+
+                    # 2. Reduce-scatter through distributed shared memory: rank r receives every rank's
+                    # partial rows of its G tokens (bulk copies completing on its barrier), sums them in
+                    # rank order (deterministic), finishes those tokens and sends their h_pre to every
+                    # rank. Tile k+1's partials go out only after every rank has all of tile k's h_pre,
+                    # which orders the reuse of these buffers.
+                    T.copy(acc, part[:, 0:NG])
+                    for t in T.Parallel(block_t):
+                        part[t, NG] = sumsq[t]
+                    T.fence_proxy_async()  # generic-proxy writes read next by the bulk-copy engine
+                    T.sync_threads(1, 128)
+                    for r in T.unroll(C):
+                        T.copy_cluster(part[r * G:(r + 1) * G, :], recv[rank, :, :], dst_block=r,
+                                       remote_barrier=landed[0])
+                    T.barrier_wait(landed[0], k % 2)
+                    for g, j in T.Parallel(G, NG):
+                        t = t0 + rank * G + g
+                        mix = sum(recv[r, g, j] for r in range(C))
+                        inv_rms = T.rsqrt(sum(recv[r, g, NG] for r in range(C)) / (n * D) + rms_eps)
+                        if j < n:
+                            hpre_own[g, j] = T.sigmoid(Alpha[0] * inv_rms * mix + Bias[j]) + hc_eps
+                        if t < num_tokens:
+                            if j == 0:
+                                InvRms[t] = inv_rms
+                            if j < n:
+                                HPre[t, j] = T.sigmoid(Alpha[0] * inv_rms * mix + Bias[j]) + hc_eps
+                            elif j < 2 * n:
+                                HPost[t, j - n] = 2 * T.sigmoid(Alpha[1] * inv_rms * mix + Bias[j])
+                            elif j < N:
+                                HRes[t, j - 2 * n] = Alpha[2] * inv_rms * mix + Bias[j]
+                    T.fence_proxy_async()
+                    T.sync_threads(1, 128)
+                    for r in T.unroll(C):
+                        T.copy_cluster(hpre_own, hpre[rank * G:(rank + 1) * G, :], dst_block=r,
+                                       remote_barrier=landed[1])
+                    T.barrier_wait(landed[1], k % 2)
+
+                    # 3. h_in over this CTA's columns from the resident chunks, each ring slot freed for
+                    # the next tile's loads as soon as it has been used.
+                    for c in T.serial(kcs):
+                        for t, d in T.Parallel(block_t, block_k):
+                            out_f[t, d] = sum(hpre[t, i] * T.cast(xs[(k * Q + i * kcs + c) % R, t, d], "float32")
+                                              for i in range(n))
+                        for i in T.unroll(n):
+                            T.barrier_arrive(x_free[(k * Q + i * kcs + c) % R])
+                        T.copy(out_f, out)
+                        T.copy(out, HIn[t0:t0 + block_t, d_base + c * block_k:d_base + (c + 1) * block_k])
+            # No CTA exits while a bulk copy may still read or write its shared memory: every copy to
+            # a rank has landed once that rank's last wait returned.
+            T.cluster_sync()
+
+    return mhc_pre_fused
+
+
 def mhc_pre_apply_kernel(n: int, D: int, block_t: int = 16, block_d: int = 256, threads: int = 128):
     num_tokens = T.dynamic("num_tokens")
 
@@ -161,16 +334,36 @@ class MHCForwardPreTileLang:
     B and S are free at call time (one compiled kernel serves any number of tokens); n and D are fixed
     at construction. ``return_aux=True`` also returns inv_rms [B, S] and h_pre [B, S, n] (fp32), which
     the backward needs. The matmul runs on bf16 tensor cores with phi split into hi + lo bf16 parts.
+    Shapes where a CTA's share of a token tile fits in shared memory (`fused_fits`) run the single-pass
+    kernel; the others run the two kernels. The config keys differ accordingly (`default_config`).
     """
 
     op_name = "mhc_pre"
-    tunable_kernel = staticmethod(mhc_pre_mix_kernel)
-    DEFAULT_CONFIG = {"block_t": 128, "block_k": 128, "num_stages": 2, "threads": 256}
+
+    @staticmethod
+    def default_config(n: int, D: int) -> dict:
+        if not fused_fits(n, D):
+            return {"block_t": 128, "block_k": 128, "num_stages": 2, "threads": 256}
+        # phi's ring first (up to 8 stages: its chunks come from L2, measured to matter more than x's
+        # slack), then up to a tile of slack for the next tile's x.
+        Q = fused_chunks(n, D)
+        fits = lambda r, s: fused_smem_bytes(n, r, s) <= _SMEM_BUDGET  # noqa: E731
+        phi_stages = max(s for s in range(2, 9) if fits(Q + 1, s) or fits(Q, s))
+        x_slots = max(r for r in range(Q, 2 * Q + 1) if fits(r, phi_stages))
+        return {"x_slots": x_slots, "phi_stages": phi_stages}
 
     @staticmethod
     def config_space(n: int, D: int, **_) -> list[dict]:
+        if fused_fits(n, D):
+            Q = fused_chunks(n, D)
+            return [dict(x_slots=r, phi_stages=s) for r in (Q, Q + 1, Q + 2) for s in range(2, 9)
+                    if fused_smem_bytes(n, r, s) <= _SMEM_BUDGET]
         return [dict(block_t=bt, block_k=bk, num_stages=st, threads=th)
                 for bt in (64, 128) for bk in (64, 128) for st in (2, 3, 4) for th in _thread_choices(bt)]
+
+    @property
+    def tunable_kernel(self):
+        return mhc_pre_fused_kernel if self._fused else mhc_pre_mix_kernel
 
     def __init__(self, B: int, S: int, n: int, D: int, rms_eps: float = 1e-6, hc_eps: float = 1e-6,
                  config: dict | None = None):
@@ -183,15 +376,27 @@ class MHCForwardPreTileLang:
                 raise ValueError(f"{name}: expected a float >= 0, got {eps!r}")
         self.n, self.D = n, D
         self.spec = {"n": n, "D": D, "rms_eps": float(rms_eps), "hc_eps": float(hc_eps)}
-        self.config = resolve_config(self.op_name, self.spec, config, self.DEFAULT_CONFIG)
-        check_int("config['block_t']", self.config["block_t"], lo=64, hi=128, multiple_of=64)
-        check_int("config['block_k']", self.config["block_k"], lo=64, hi=_D_PAD, multiple_of=64)
-        check_int("config['num_stages']", self.config["num_stages"], lo=1, hi=4)
-        check_choice("config['threads']", self.config["threads"], _thread_choices(self.config["block_t"]))
+        self.config = resolve_config(self.op_name, self.spec, config, self.default_config(n, D))
+        if fused_fits(n, D):
+            check_int("config['x_slots']", self.config["x_slots"], lo=fused_chunks(n, D))
+            check_int("config['phi_stages']", self.config["phi_stages"], lo=2)
+            smem = fused_smem_bytes(n, **self.config)
+            if smem > _SMEM_BUDGET:
+                raise ValueError(f"config: expected x_slots and phi_stages within {_SMEM_BUDGET} bytes of "
+                                 f"shared memory, got {self.config} needing {smem}")
+        else:
+            check_int("config['block_t']", self.config["block_t"], lo=64, hi=128, multiple_of=64)
+            check_int("config['block_k']", self.config["block_k"], lo=64, hi=_D_PAD, multiple_of=64)
+            check_int("config['num_stages']", self.config["num_stages"], lo=1, hi=4)
+            check_choice("config['threads']", self.config["threads"], _thread_choices(self.config["block_t"]))
         self._split = compile_kernel(mhc_phi_split_kernel(n, D))
-        self._mix = compile_kernel(mhc_pre_mix_kernel(**self.spec, **self.config))
-        self._apply = compile_kernel(mhc_pre_apply_kernel(n, D))
         self._phi_parts = {}
+        self._fused = self._mix = self._apply = None
+        if fused_fits(n, D):
+            self._fused = compile_kernel(mhc_pre_fused_kernel(**self.spec, **self.config))
+        else:
+            self._mix = compile_kernel(mhc_pre_mix_kernel(**self.spec, **self.config))
+            self._apply = compile_kernel(mhc_pre_apply_kernel(n, D))
 
     def check_inputs(self, x, phi, alpha, bias) -> None:
         n, D = self.n, self.D
@@ -211,26 +416,39 @@ class MHCForwardPreTileLang:
         self._split(phi, hi, lo)
         return hi, lo
 
-    def _mix_args(self, x, phi, alpha, bias):
+    def _kernel_args(self, x, phi, alpha, bias):
+        """(x, phi's parts, alpha, bias, [h_in,] h_post, h_res, inv_rms, h_pre[, clusters]): the fused
+        kernel's arguments, or the mix kernel's (no h_in, no cluster count)."""
         B, S, n, D = x.shape
         f32 = dict(device=x.device, dtype=torch.float32)
         outs = (torch.empty(B * S, n, **f32), torch.empty(B * S, n * n, **f32), torch.empty(B * S, **f32),
                 torch.empty(B * S, n, **f32))
-        return (x.view(B * S, n, D), *self._split_phi(phi), alpha, bias, *outs)
+        head = (x.view(B * S, n, D), *self._split_phi(phi), alpha, bias)
+        if self._fused is None:
+            return head + outs
+        h_in = torch.empty(B * S, D, device=x.device, dtype=torch.bfloat16)
+        # One CTA per SM whatever its shared memory: 256 threads of up to 240 registers fill the file.
+        clusters = max_active_clusters(_CLUSTER, 256, _SMEM_BUDGET, x.device.index)
+        return head + (h_in,) + outs + (clusters,)
 
     def tune_args(self, x, phi, alpha, bias):
-        """Arguments of the tunable kernel (``mhc_pre_mix``) for these inputs."""
+        """Arguments of the tunable kernel (``tunable_kernel``) for these inputs."""
         self.check_inputs(x, phi, alpha, bias)
-        return self._mix_args(x, phi, alpha, bias)
+        return self._kernel_args(x, phi, alpha, bias)
 
     def __call__(self, x, phi, alpha, bias, return_aux: bool = False):
         self.check_inputs(x, phi, alpha, bias)
         B, S, n, D = x.shape
-        args = self._mix_args(x, phi, alpha, bias)
-        h_post, h_res, inv_rms, h_pre = args[5:]
-        h_in = torch.empty(B * S, D, device=x.device, dtype=torch.bfloat16)
-        if B * S:
-            self._mix(*args)
-            self._apply(args[0], h_pre, h_in)
+        args = self._kernel_args(x, phi, alpha, bias)
+        if self._fused is not None:
+            h_in, h_post, h_res, inv_rms, h_pre = args[5:10]
+            if B * S:
+                self._fused(*args)
+        else:
+            h_post, h_res, inv_rms, h_pre = args[5:]
+            h_in = torch.empty(B * S, D, device=x.device, dtype=torch.bfloat16)
+            if B * S:
+                self._mix(*args)
+                self._apply(args[0], h_pre, h_in)
         outs = (h_in.view(B, S, D), h_post.view(B, S, n), h_res.view(B, S, n, n))
         return outs + (inv_rms.view(B, S), h_pre.view(B, S, n)) if return_aux else outs

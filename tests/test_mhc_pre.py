@@ -9,6 +9,7 @@ import torch
 
 from golden.mhc_pre import mhc_forward_pre, random_inputs
 from ops import MHCForwardPreTileLang
+from ops.mhc_pre import fused_fits
 from ops import _runtime
 
 
@@ -69,6 +70,9 @@ def test_golden_aux_outputs():
     (dict(config={"block_x": 1}), ValueError, "unknown keys"),
     (dict(config={"block_k": 96}), ValueError, r"config\['block_k'\]: expected a multiple of 64"),
     (dict(config={"block_t": 32}), ValueError, r"config\['block_t'\]: expected >= 64"),
+    (dict(D=4096, config={"block_t": 64}), ValueError, "unknown keys"),  # the single-pass kernel's keys
+    (dict(D=4096, config={"x_slots": 15}), ValueError, r"config\['x_slots'\]: expected >= 16"),
+    (dict(D=4096, config={"x_slots": 20, "phi_stages": 8}), ValueError, "bytes of shared memory"),
 ])
 def test_constructor_validation(kwargs, err, match):
     args = dict(B=1, S=1, n=4, D=64)
@@ -107,9 +111,11 @@ def test_call_validation(small_op):
 @pytest.mark.parametrize("n,D", [(4, 4096), (4, 7168), (2, 520)])
 def test_compiles_for_sm90a(n, D):
     op = MHCForwardPreTileLang(2, 8, n, D)
-    assert _runtime.target()["arch"].startswith("sm_")
-    src = op._mix.get_kernel_source()
-    assert "wgmma" in src or not _runtime.target()["arch"].startswith("sm_90"), "expected Hopper tensor-core MMA"
+    assert (op._fused is not None) == fused_fits(n, D) == (D == 4096)  # both kernel families are built
+    src = (op._fused or op._mix).get_kernel_source()
+    if _runtime.target()["arch"].startswith("sm_90"):
+        assert "wgmma" in src, "expected Hopper tensor-core MMA"
+        assert op._fused is None or "tma_store_cluster" in src, "expected the cluster exchange"
 
 
 @pytest.mark.compile
@@ -148,10 +154,11 @@ def test_disk_cache_hit_in_fresh_process(tmp_path):
 
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("n,D", [(1, 1032), (1, 2048), (2, 520), (2, 2048), (4, 4096), (4, 7168), (8, 1024)])
 @pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 500), (4, 4096)])
-def test_compiled_matches_golden(n, shape, poisoned):
-    D = {1: 1032, 2: 520, 4: 4096, 8: 1024}[n]
+def test_compiled_matches_golden(n, D, shape, poisoned):
+    """Both kernel families: D a multiple of 1024 runs the single-pass kernel (4 x 4096 tokens is many
+    tiles per persistent cluster), the other D the two kernels."""
     op = MHCForwardPreTileLang(*shape, n, D)
     x, phi, alpha, bias = random_inputs(*shape, n, D, device="cuda")
     ref = mhc_forward_pre(x.double(), phi.double(), alpha.double(), bias.double(), return_aux=True)

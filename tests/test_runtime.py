@@ -73,3 +73,11 @@ def test_autotune_stores_winner_for_the_op(tmp_path, monkeypatch):
     config, ms = autotune(op, random_inputs(1, 300, 2, 520, "cuda"), warmup=2, rep=5)
     assert config in space and ms > 0
     assert MHCForwardPreTileLang(1, 300, 2, 520).config == config
+
+
+@pytest.mark.gpu
+def test_max_active_clusters_counts_co_resident_clusters():
+    """One CTA per SM: at most one 16-CTA cluster per 16 SMs (fewer where a GPC has fewer SMs); small
+    CTAs pack several to an SM."""
+    assert 1 <= _runtime.max_active_clusters(16, 256, 200 * 1024) <= _runtime.sm_count() // 16
+    assert _runtime.max_active_clusters(2, 128, 1024) >= _runtime.sm_count() // 2
