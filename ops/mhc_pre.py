@@ -208,15 +208,18 @@ def mhc_pre_fused_kernel(n: int, D: int, rms_eps: float, hc_eps: float, x_slots:
                     for q in T.serial(Q):
                         seq = k * Q + q
                         i, d0 = q // kcs, d_base + (q % kcs) * block_k
+                        # x is read once: it should not push phi (re-read by every tile) out of L2.
                         if tx < 160:
                             T.barrier_wait(x_free[seq % R], (seq // R) % 2 ^ 1)
                             T.tma_copy(X[t0:t0 + block_t, i, d0:d0 + block_k], xs[seq % R, :, :],
-                                       barrier=x_full[seq % R])
+                                       barrier=x_full[seq % R], eviction_policy="evict_first")
                             T.barrier_arrive(x_full[seq % R])
                         elif tx < 192:
                             T.barrier_wait(p_free[seq % PS], (seq // PS) % 2 ^ 1)
-                            T.tma_copy(PhiHi[:, i, d0:d0 + block_k], hi_s[seq % PS, :, :], barrier=p_full[seq % PS])
-                            T.tma_copy(PhiLo[:, i, d0:d0 + block_k], lo_s[seq % PS, :, :], barrier=p_full[seq % PS])
+                            T.tma_copy(PhiHi[:, i, d0:d0 + block_k], hi_s[seq % PS, :, :], barrier=p_full[seq % PS],
+                                       eviction_policy="evict_last")
+                            T.tma_copy(PhiLo[:, i, d0:d0 + block_k], lo_s[seq % PS, :, :], barrier=p_full[seq % PS],
+                                       eviction_policy="evict_last")
                             T.barrier_arrive(p_full[seq % PS])
             else:  # consumer warpgroup
                 T.set_max_nreg(240, 1)
