@@ -58,7 +58,12 @@ def test_validation_messages(call, err, match):
 
 
 @pytest.mark.gpu
-def test_autotune_stores_winner_for_the_op(tmp_path, monkeypatch):
+@pytest.mark.parametrize("D,space", [
+    (520, [dict(block_t=64, block_k=64, num_stages=2, threads=128),  # two kernels
+           dict(block_t=128, block_k=128, num_stages=2, threads=128)]),
+    (2048, [dict(x_slots=4, phi_stages=4), dict(x_slots=8, phi_stages=8)]),  # single pass (clusters)
+])
+def test_autotune_stores_winner_for_the_op(tmp_path, monkeypatch, D, space):
     """scripts/autotune.py times an op's configs with tilelang's AutoTuner and stores the winner, which a
     new op of the same specialization then uses."""
     from golden.mhc_pre import random_inputs
@@ -66,13 +71,11 @@ def test_autotune_stores_winner_for_the_op(tmp_path, monkeypatch):
     from scripts.autotune import autotune
 
     monkeypatch.setattr(_runtime, "TUNED_FILE", tmp_path / "tuned.json")
-    space = [dict(block_t=64, block_k=64, num_stages=2, threads=128),
-             dict(block_t=128, block_k=128, num_stages=2, threads=128)]
     monkeypatch.setattr(MHCForwardPreTileLang, "config_space", staticmethod(lambda **_: space))
-    op = MHCForwardPreTileLang(1, 300, 2, 520)
-    config, ms = autotune(op, random_inputs(1, 300, 2, 520, "cuda"), warmup=2, rep=5)
+    op = MHCForwardPreTileLang(1, 300, 2, D)
+    config, ms = autotune(op, random_inputs(1, 300, 2, D, "cuda"), warmup=2, rep=5)
     assert config in space and ms > 0
-    assert MHCForwardPreTileLang(1, 300, 2, 520).config == config
+    assert MHCForwardPreTileLang(1, 300, 2, D).config == config
 
 
 @pytest.mark.gpu
