@@ -154,11 +154,12 @@ def test_disk_cache_hit_in_fresh_process(tmp_path):
 
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,D", [(1, 1032), (1, 2048), (2, 520), (2, 2048), (4, 4096), (4, 7168), (8, 1024)])
+@pytest.mark.parametrize("n,D", [(1, 1032), (1, 16384), (2, 520), (2, 8192), (4, 2048), (4, 4096), (4, 7168),
+                                 (8, 1024)])
 @pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 500), (4, 4096)])
 def test_compiled_matches_golden(n, D, shape, poisoned):
-    """Both kernel families: D a multiple of 1024 runs the single-pass kernel (4 x 4096 tokens is many
-    tiles per persistent cluster), the other D the two kernels."""
+    """Both kernel families: (1, 16384), (2, 8192), (4, 2048) and (4, 4096) run the single-pass kernel
+    (4 x 4096 tokens is many tiles per persistent cluster), the others the two kernels."""
     op = MHCForwardPreTileLang(*shape, n, D)
     x, phi, alpha, bias = random_inputs(*shape, n, D, device="cuda")
     ref = mhc_forward_pre(x.double(), phi.double(), alpha.double(), bias.double(), return_aux=True)

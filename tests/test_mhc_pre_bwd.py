@@ -224,7 +224,7 @@ def test_deterministic():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,D", [(4, 1024), (2, 520)])
+@pytest.mark.parametrize("n,D", [(4, 1024), (2, 520), (4, 4096)])  # (4, 4096): the single-pass forward
 def test_mhc_pre_end_to_end(poisoned, n, D):
     inputs, grads = make_inputs(2, 500, n, D, device="cuda")
     leaves = [t.clone().requires_grad_() for t in inputs]

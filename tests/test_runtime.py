@@ -61,7 +61,7 @@ def test_validation_messages(call, err, match):
 @pytest.mark.parametrize("D,space", [
     (520, [dict(block_t=64, block_k=64, num_stages=2, threads=128),  # two kernels
            dict(block_t=128, block_k=128, num_stages=2, threads=128)]),
-    (2048, [dict(x_slots=4, phi_stages=4), dict(x_slots=8, phi_stages=8)]),  # single pass (clusters)
+    (8192, [dict(x_slots=16, phi_stages=4), dict(x_slots=17, phi_stages=8)]),  # single pass (clusters)
 ])
 def test_autotune_stores_winner_for_the_op(tmp_path, monkeypatch, D, space):
     """scripts/autotune.py times an op's configs with tilelang's AutoTuner and stores the winner, which a
