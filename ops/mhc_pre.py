@@ -341,8 +341,8 @@ class MHCForwardPreTileLang:
     B and S are free at call time (one compiled kernel serves any number of tokens); n and D are fixed
     at construction. ``return_aux=True`` also returns inv_rms [B, S] and h_pre [B, S, n] (fp32), which
     the backward needs. The matmul runs on bf16 tensor cores with phi split into hi + lo bf16 parts.
-    Shapes where a CTA's share of a token tile fits in shared memory (`fused_fits`) run the single-pass
-    kernel; the others run the two kernels. The config keys differ accordingly (`default_config`).
+    Shapes where the single pass measured faster (`fused_fits`) run it; the others run the two kernels.
+    The config keys differ accordingly (`default_config`).
     """
 
     op_name = "mhc_pre"
@@ -368,7 +368,7 @@ class MHCForwardPreTileLang:
 
     @property
     def tunable_kernel(self):
-        return mhc_pre_fused_kernel if self._fused else mhc_pre_mix_kernel
+        return mhc_pre_mix_kernel if self._fused is None else mhc_pre_fused_kernel
 
     def __init__(self, B: int, S: int, n: int, D: int, rms_eps: float = 1e-6, hc_eps: float = 1e-6,
                  config: dict | None = None):
