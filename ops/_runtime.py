@@ -90,25 +90,25 @@ def max_active_clusters(cluster: int, threads: int, smem_bytes: int, device: int
     with torch.cuda.device(torch.cuda.current_device() if device is None else device):
         torch.cuda.current_stream().synchronize()  # the primary context is current on this thread
         cuda = ctypes.CDLL("libcuda.so.1")
+
+        def check(name, err):
+            if err:
+                raise RuntimeError(f"{name} failed with CUresult {err}")
+
         mod, fn, count = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_int()
-        steps = [("cuModuleLoadData", lambda: cuda.cuModuleLoadData(ctypes.byref(mod), _PROBE_PTX)),
-                 ("cuModuleGetFunction", lambda: cuda.cuModuleGetFunction(ctypes.byref(fn), mod, b"probe")),
-                 ("cuFuncSetAttribute", lambda: cuda.cuFuncSetAttribute(fn, 8, smem_bytes)),  # max dynamic smem
-                 ("cuFuncSetAttribute", lambda: cuda.cuFuncSetAttribute(fn, 14, 1))]  # non-portable clusters
         attr = _LaunchAttr(id=4)  # cluster dimension
         attr.value[0], attr.value[1], attr.value[2] = cluster, 1, 1
         config = _LaunchConfig(grid=(ctypes.c_uint * 3)(cluster, 1, 1), block=(ctypes.c_uint * 3)(threads, 1, 1),
                                smem=smem_bytes, attrs=ctypes.pointer(attr), num_attrs=1)
-        steps.append(("cuOccupancyMaxActiveClusters",
-                      lambda: cuda.cuOccupancyMaxActiveClusters(ctypes.byref(count), fn, ctypes.byref(config))))
+        check("cuModuleLoadData", cuda.cuModuleLoadData(ctypes.byref(mod), _PROBE_PTX))
         try:
-            for name, step in steps:
-                err = step()
-                if err:
-                    raise RuntimeError(f"{name} failed with CUresult {err}")
+            check("cuModuleGetFunction", cuda.cuModuleGetFunction(ctypes.byref(fn), mod, b"probe"))
+            check("cuFuncSetAttribute", cuda.cuFuncSetAttribute(fn, 8, smem_bytes))  # max dynamic smem
+            check("cuFuncSetAttribute", cuda.cuFuncSetAttribute(fn, 14, 1))  # non-portable cluster sizes
+            check("cuOccupancyMaxActiveClusters",
+                  cuda.cuOccupancyMaxActiveClusters(ctypes.byref(count), fn, ctypes.byref(config)))
         finally:
-            if mod.value:
-                cuda.cuModuleUnload(mod)
+            cuda.cuModuleUnload(mod)
         return count.value
 
 

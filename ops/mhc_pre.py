@@ -183,7 +183,8 @@ def mhc_pre_fused_kernel(n: int, D: int, rms_eps: float, hc_eps: float, x_slots:
         num_clusters: T.int32,
     ):
         num_tiles = T.ceildiv(num_tokens, block_t)
-        with T.Kernel(C, T.min(num_tiles, num_clusters), threads=256, cluster_dims=(C, 1, 1)) as (rank, cid):
+        clusters = T.min(num_tiles, num_clusters)
+        with T.Kernel(C, clusters, threads=256, cluster_dims=(C, 1, 1)) as (rank, cid):
             xs = T.alloc_shared((R, block_t, block_k), "bfloat16")
             hi_s = T.alloc_shared((PS, NG, block_k), "bfloat16")
             lo_s = T.alloc_shared((PS, NG, block_k), "bfloat16")
@@ -203,11 +204,11 @@ def mhc_pre_fused_kernel(n: int, D: int, rms_eps: float, hc_eps: float, x_slots:
             out = T.alloc_fragment((block_t, block_k), "bfloat16")
             tx = T.get_thread_binding()
             d_base = rank * Ds
-            clusters = T.min(num_tiles, num_clusters)
+            my_tiles = T.ceildiv(num_tiles - cid, clusters)  # tiles cid, cid + clusters, ...
 
             if tx >= 128:  # producer warpgroup: one warp loads x chunks, one phi's, each in ring order
                 T.set_max_nreg(24, 0)
-                for k in T.serial(T.ceildiv(num_tiles - cid, clusters)):
+                for k in T.serial(my_tiles):
                     t0 = (cid + k * clusters) * block_t
                     for q in T.serial(Q):
                         seq = k * Q + q
@@ -227,7 +228,7 @@ def mhc_pre_fused_kernel(n: int, D: int, rms_eps: float, hc_eps: float, x_slots:
                             T.barrier_arrive(p_full[seq % PS])
             else:  # consumer warpgroup
                 T.set_max_nreg(240, 1)
-                for k in T.serial(T.ceildiv(num_tiles - cid, clusters)):
+                for k in T.serial(my_tiles):
                     t0 = (cid + k * clusters) * block_t
 
                     # 1. This CTA's share of h_mix and of the sum of squares: its Ds columns of every stream.
@@ -382,7 +383,8 @@ class MHCForwardPreTileLang:
         self.n, self.D = n, D
         self.spec = {"n": n, "D": D, "rms_eps": float(rms_eps), "hc_eps": float(hc_eps)}
         self.config = resolve_config(self.op_name, self.spec, config, self.default_config(n, D))
-        if fused_fits(n, D):
+        fused = fused_fits(n, D)
+        if fused:
             check_int("config['x_slots']", self.config["x_slots"], lo=fused_chunks(n, D))
             check_int("config['phi_stages']", self.config["phi_stages"], lo=2)
             smem = fused_smem_bytes(n, **self.config)
@@ -397,7 +399,7 @@ class MHCForwardPreTileLang:
         self._split = compile_kernel(mhc_phi_split_kernel(n, D))
         self._phi_parts = {}
         self._fused = self._mix = self._apply = None
-        if fused_fits(n, D):
+        if fused:
             self._fused = compile_kernel(mhc_pre_fused_kernel(**self.spec, **self.config))
         else:
             self._mix = compile_kernel(mhc_pre_mix_kernel(**self.spec, **self.config))
@@ -421,39 +423,39 @@ class MHCForwardPreTileLang:
         self._split(phi, hi, lo)
         return hi, lo
 
-    def _kernel_args(self, x, phi, alpha, bias):
-        """(x, phi's parts, alpha, bias, [h_in,] h_post, h_res, inv_rms, h_pre[, clusters]): the fused
-        kernel's arguments, or the mix kernel's (no h_in, no cluster count)."""
+    @staticmethod
+    def _outputs(x):
+        """Empty h_in, h_post, h_res, inv_rms, h_pre for x's tokens (flattened)."""
         B, S, n, D = x.shape
         f32 = dict(device=x.device, dtype=torch.float32)
-        outs = (torch.empty(B * S, n, **f32), torch.empty(B * S, n * n, **f32), torch.empty(B * S, **f32),
-                torch.empty(B * S, n, **f32))
+        return (torch.empty(B * S, D, device=x.device, dtype=torch.bfloat16), torch.empty(B * S, n, **f32),
+                torch.empty(B * S, n * n, **f32), torch.empty(B * S, **f32), torch.empty(B * S, n, **f32))
+
+    def _kernel_args(self, x, phi, alpha, bias, outs):
+        """Arguments of the tunable kernel: the fused kernel takes all outputs and the cluster count,
+        the mix kernel all but h_in."""
+        B, S, n, D = x.shape
         head = (x.view(B * S, n, D), *self._split_phi(phi), alpha, bias)
         if self._fused is None:
-            return head + outs
-        h_in = torch.empty(B * S, D, device=x.device, dtype=torch.bfloat16)
+            return head + outs[1:]
         # One CTA per SM whatever its shared memory: 256 threads of up to 240 registers fill the file.
-        clusters = max_active_clusters(_CLUSTER, 256, _SMEM_BUDGET, x.device.index)
-        return head + (h_in,) + outs + (clusters,)
+        return head + outs + (max_active_clusters(_CLUSTER, 256, _SMEM_BUDGET, x.device.index),)
 
     def tune_args(self, x, phi, alpha, bias):
         """Arguments of the tunable kernel (``tunable_kernel``) for these inputs."""
         self.check_inputs(x, phi, alpha, bias)
-        return self._kernel_args(x, phi, alpha, bias)
+        return self._kernel_args(x, phi, alpha, bias, self._outputs(x))
 
     def __call__(self, x, phi, alpha, bias, return_aux: bool = False):
         self.check_inputs(x, phi, alpha, bias)
         B, S, n, D = x.shape
-        args = self._kernel_args(x, phi, alpha, bias)
-        if self._fused is not None:
-            h_in, h_post, h_res, inv_rms, h_pre = args[5:10]
-            if B * S:
+        h_in, h_post, h_res, inv_rms, h_pre = outs = self._outputs(x)
+        args = self._kernel_args(x, phi, alpha, bias, outs)
+        if B * S:
+            if self._fused is not None:
                 self._fused(*args)
-        else:
-            h_post, h_res, inv_rms, h_pre = args[5:]
-            h_in = torch.empty(B * S, D, device=x.device, dtype=torch.bfloat16)
-            if B * S:
+            else:
                 self._mix(*args)
                 self._apply(args[0], h_pre, h_in)
-        outs = (h_in.view(B, S, D), h_post.view(B, S, n), h_res.view(B, S, n, n))
-        return outs + (inv_rms.view(B, S), h_pre.view(B, S, n)) if return_aux else outs
+        result = (h_in.view(B, S, D), h_post.view(B, S, n), h_res.view(B, S, n, n))
+        return result + (inv_rms.view(B, S), h_pre.view(B, S, n)) if return_aux else result

@@ -112,7 +112,7 @@ def test_call_validation(small_op):
 def test_compiles_for_sm90a(n, D):
     op = MHCForwardPreTileLang(2, 8, n, D)
     assert (op._fused is not None) == fused_fits(n, D) == (D == 4096)  # both kernel families are built
-    src = (op._fused or op._mix).get_kernel_source()
+    src = (op._mix if op._fused is None else op._fused).get_kernel_source()
     if _runtime.target()["arch"].startswith("sm_90"):
         assert "wgmma" in src, "expected Hopper tensor-core MMA"
         assert op._fused is None or "tma_store_cluster" in src, "expected the cluster exchange"
