@@ -174,7 +174,8 @@ def bench_op(request):
 
 @pytest.mark.compile
 def test_compiles_for_sm90a(bench_op):
-    assert all(kernel is not None for kernel in (bench_op.kernel, bench_op.pool, bench_op.rope, bench_op.top_lse))
+    assert all(kernel is not None for kernel in (bench_op.kernel, bench_op.pool, bench_op.rope, bench_op.top_lse,
+                                                 bench_op.top_keys, bench_op.top_merge))
 
 
 @pytest.mark.compile

@@ -18,13 +18,17 @@ CASES = [
 TOL = {torch.float32: dict(atol=1e-4, rtol=2e-5), torch.bfloat16: dict(atol=6e-2, rtol=1e-2)}
 
 
-def run_case(dtype, H, Hkv, K, V, r, top_k, max_top, T, B=2, poisoned=contextlib.nullcontext):
+def run_case(dtype, H, Hkv, K, V, r, top_k, max_top, T, B=2, poisoned=contextlib.nullcontext, keys_bytes=None,
+             config=None):
     """Returns (fraction of agreeing selection rows, max error and rel-norm error on agreeing rows,
-    number of agreeing rows); raises on unwritten (NaN) outputs."""
+    number of agreeing rows); raises on unwritten (NaN) outputs. ``keys_bytes`` shrinks the top-layer key
+    workspace, so the queries go through the top kernels in many slabs."""
     q = torch.randn(B, T, H, K, device="cuda", dtype=dtype)
     k = torch.randn(B, T, Hkv, K, device="cuda", dtype=dtype)
     v = torch.randn(B, T, Hkv, V, device="cuda", dtype=dtype)
-    op = HTreeForwardTileLang(H, Hkv, K, V, r, top_k, max_top, dtype=dtype)
+    op = HTreeForwardTileLang(H, Hkv, K, V, r, top_k, max_top, dtype=dtype, config=config)
+    if keys_bytes is not None:
+        op._KEYS_BYTES = keys_bytes
     out = torch.full((B, T, H, V), float("nan"), device="cuda", dtype=dtype)
     with poisoned():  # selections and tree nodes start as garbage too
         o, sel = op(q, k, v, return_selection=True, out=out)
@@ -42,12 +46,31 @@ def run_case(dtype, H, Hkv, K, V, r, top_k, max_top, T, B=2, poisoned=contextlib
 @pytest.mark.parametrize("case", CASES,
                          ids=lambda c: f"{str(c[0])[6:]}-G{c[1] // c[2]}-K{c[3]}-r{c[5]}-k{c[6]}-m{c[7]}-T{c[8]}")
 def test_htree_matches_golden(case, poisoned):
+    check_case(case, poisoned)
+
+
+def check_case(case, poisoned, keys_bytes=None, config=None):
     dtype = case[0]
-    frac, max_err, rel, n_agree = run_case(*case, poisoned=poisoned)
+    frac, max_err, rel, n_agree = run_case(*case, poisoned=poisoned, keys_bytes=keys_bytes, config=config)
     if dtype == torch.float32:
         assert frac >= 0.999, f"selections agree on {frac:.5f} of rows"
     assert n_agree > 0.5 * case[8] * 2 * case[1]
     assert max_err <= TOL[dtype]["atol"] and rel <= TOL[dtype]["rtol"], (max_err, rel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,keys_bytes", [(CASES[2], 2 * 2 * 32 * 4 * 100), (CASES[3], 2 * 2 * 313 * 4 * 10)],
+                         ids=["fp32-slabs-of-64", "bf16-slabs-of-10"])
+def test_htree_in_slabs(case, keys_bytes, poisoned):
+    """Queries split into slabs (the last one partial, and slabs smaller than a top-kernel CTA's queries)."""
+    check_case(case, poisoned, keys_bytes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] != torch.float32], ids=lambda c: f"T{c[8]}")
+def test_htree_table_rope(case, poisoned):
+    """16-bit inputs rotated with the golden's table rows below the top layer (not the default)."""
+    check_case(case, poisoned, config={"chunk_rope": False})
 
 
 @pytest.mark.gpu
