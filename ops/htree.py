@@ -53,6 +53,7 @@ _MAX_BUFFER = 16384  # candidate buffer (packed keys live in shared memory)
 _NEG = -1.0e30  # finite "minus infinity": exp2(_NEG - m) == 0 without inf - inf
 _LOG2E = 1.4426950408889634
 _FLT_MIN = 1.1754943508222875e-38
+_RIGHTMOST_KEY = struct.unpack("<i", struct.pack("<f", RIGHTMOST_IMPORTANCE))[0]  # its fp32 bits
 
 
 def htree_pool_kernel(num_kv_heads: int, head_dim: int, v_head_dim: int, compression_rate: int,
@@ -128,6 +129,22 @@ def _lse_finish(m_part, l_part, m_row, lse):
         lse[i] = m_row[i] + T.log2(lse[i])
 
 
+def _head_sum(buf, num_heads: int, row, j):
+    """sum_g buf[row + g, j] over num_heads rows, in head order like the golden."""
+    total = buf[row, j]
+    for g in range(1, num_heads):
+        total = total + buf[row + g, j]
+    return total
+
+
+def _packed_key(prob, num_heads: int, row, j, p, n, pos_mask: int):
+    """Candidate p's packed importance key: the fp32 sum of its heads' probabilities (rows row .. row +
+    num_heads - 1 of prob, column j; the rightmost candidate n - 1 gets 1e3) with its low LOG_N bits
+    replaced by ~p, so keys are distinct and order ties by the smaller position."""
+    bits = T.if_then_else(p == n - 1, _RIGHTMOST_KEY, T.reinterpret(_head_sum(prob, num_heads, row, j), "int32"))
+    return T.bitwise_or(T.bitwise_and(bits, ~pos_mask), T.bitwise_and(T.bitwise_not(p), pos_mask))
+
+
 def htree_rope_kernel(num_kv_heads: int, head_dim: int, dtype: str, block_i: int = 32, threads: int = 128):
     """Dst[b, h, i] = Src[b, src_off + i, h] rotated at position i: the top layer's candidates are the
     same nodes at the same buffer positions for every query, so they are rotated once, not per query."""
@@ -187,7 +204,18 @@ def _top_layer_macros(num_heads: int, num_kv_heads: int, head_dim: int, scale: f
             T.gemm(q_s, k_lo, acc_s, transpose_B=True)
             T.gemm(q_lo, k_s, acc_s, transpose_B=True)
 
-    return G, bt, put, load_queries, chunk_scores
+    @T.macro
+    def alloc_scores():
+        """chunk_scores' buffers (q_s, q_lo, k_s, k_lo, kt, acc_s); the _lo halves only for fp32."""
+        q_s = T.alloc_shared((block_m, head_dim), dtype)
+        q_lo = T.alloc_shared((block_m, head_dim) if split else (1, 1), dtype)
+        k_s = T.alloc_shared((block_n, head_dim), dtype)
+        k_lo = T.alloc_shared((block_n, head_dim) if split else (1, 1), dtype)
+        kt = T.alloc_fragment((block_n, head_dim), dtype)
+        acc_s = T.alloc_fragment((block_m, block_n), "float32")
+        return q_s, q_lo, k_s, k_lo, kt, acc_s
+
+    return G, bt, put, alloc_scores, load_queries, chunk_scores
 
 
 def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: str,
@@ -195,8 +223,7 @@ def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale
     """Lse[b, t, h]: log2-domain log-sum-exp of query head h's scores over the top layer (for L > 1),
     the softmax reference of the top layer's importance and merge."""
     H, Hkv, K = num_heads, num_kv_heads, head_dim
-    G, bt, _, load_queries, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype, block_m, block_n)
-    split = dtype == "float32"
+    G, bt, _, alloc_scores, load_queries, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype, block_m, block_n)
     B, Tn, NT, NC = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC")
 
     @T.prim_func
@@ -204,12 +231,7 @@ def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale
                       Cos: T.Tensor((NC, K // 2), "float32"), Sin: T.Tensor((NC, K // 2), "float32"),
                       Lse: T.Tensor((B, Tn, H), "float32"), top_shift: T.int32):
         with T.Kernel(T.ceildiv(Tn, bt), Hkv, B, threads=threads) as (bx, h, b):
-            q_s = T.alloc_shared((block_m, K), dtype)
-            q_lo = T.alloc_shared((block_m, K) if split else (1, 1), dtype)
-            k_s = T.alloc_shared((block_n, K), dtype)
-            k_lo = T.alloc_shared((block_n, K) if split else (1, 1), dtype)
-            kt = T.alloc_fragment((block_n, K), dtype)
-            acc_s = T.alloc_fragment((block_m, block_n), "float32")
+            q_s, q_lo, k_s, k_lo, kt, acc_s = alloc_scores()
             m_part = T.alloc_fragment((block_m, block_n), "float32")
             l_part = T.alloc_fragment((block_m, block_n), "float32")
             m_row = T.alloc_fragment((block_m,), "float32")
@@ -241,19 +263,10 @@ def htree_top_keys_kernel(num_heads: int, num_kv_heads: int, head_dim: int, comp
     [t_start, t_start + TS): fp32 importance sum_g exp2(s_gp - lse_g) (subnormal terms flushed, heads summed
     in order, the rightmost node's 1e3) with its low LOG_N bits replaced by ~p."""
     H, Hkv, K = num_heads, num_kv_heads, head_dim
-    G, bt, _, load_queries, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype, block_m, block_n)
-    split = dtype == "float32"
+    G, bt, _, alloc_scores, load_queries, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype, block_m, block_n)
     pos_mask = (1 << pack_bits(compression_rate, top_k, max_top_nodes)) - 1
-    rightmost_key = struct.unpack("<i", struct.pack("<f", RIGHTMOST_IMPORTANCE))[0]
     B, Tn, NT, NC = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC")
     TS, NK = T.dynamic("TS"), T.dynamic("NK")
-
-    def head_sum(prob, i, j):
-        """sum_g prob[i * G + g, j] over query i's heads, in head order like the golden."""
-        total = prob[i * G, j]
-        for g in range(1, G):
-            total = total + prob[i * G + g, j]
-        return total
 
     @T.prim_func
     def htree_top_keys(Q: T.Tensor((B, Tn, H, K), dtype), TopK: T.Tensor((B, Hkv, NT, K), dtype),
@@ -261,12 +274,7 @@ def htree_top_keys_kernel(num_heads: int, num_kv_heads: int, head_dim: int, comp
                        Lse: T.Tensor((B, Tn, H), "float32"), Keys: T.Tensor((B, TS, Hkv, NK), "int32"),
                        top_shift: T.int32, t_start: T.int32):
         with T.Kernel(T.ceildiv(TS, bt), Hkv, B, threads=threads) as (bx, h, b):
-            q_s = T.alloc_shared((block_m, K), dtype)
-            q_lo = T.alloc_shared((block_m, K) if split else (1, 1), dtype)
-            k_s = T.alloc_shared((block_n, K), dtype)
-            k_lo = T.alloc_shared((block_n, K) if split else (1, 1), dtype)
-            kt = T.alloc_fragment((block_n, K), dtype)
-            acc_s = T.alloc_fragment((block_m, block_n), "float32")
+            q_s, q_lo, k_s, k_lo, kt, acc_s = alloc_scores()
             prob_s = T.alloc_shared((block_m, block_n), "float32")
             lse = T.alloc_fragment((block_m,), "float32")
             t0 = t_start + bx * bt
@@ -285,9 +293,7 @@ def htree_top_keys_kernel(num_heads: int, num_kv_heads: int, head_dim: int, comp
                     p = c * block_n + j
                     n = ((t0 + i) >> top_shift) + 1
                     if T.And(t0 + i < t_end, p < n):
-                        bits = T.if_then_else(p == n - 1, rightmost_key, T.reinterpret(head_sum(prob_s, i, j), "int32"))
-                        Keys[b, t0 + i - t_start, h, p] = T.bitwise_or(T.bitwise_and(bits, ~pos_mask),
-                                                                       T.bitwise_and(T.bitwise_not(p), pos_mask))
+                        Keys[b, t0 + i - t_start, h, p] = _packed_key(prob_s, G, i * G, j, p, n, pos_mask)
 
     return htree_top_keys
 
@@ -298,7 +304,8 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
     merged against the lse reference, combined with the walk's state of the layers below (PartO
     unnormalized against PartML's maximum, PartML's sum)."""
     H, Hkv, K, V = num_heads, num_kv_heads, head_dim, v_head_dim
-    G, bt, put, load_queries, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype, block_m, block_n)
+    G, bt, put, alloc_scores, load_queries, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype, block_m,
+                                                                            block_n)
     split = dtype == "float32"
     B, Tn, NT, NC, NN = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC"), T.dynamic("NN")
     TS, NK = T.dynamic("TS"), T.dynamic("NK")
@@ -312,17 +319,12 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
                         PartML: T.Tensor((B, TS, H, 2), "float32"), O: T.Tensor((B, Tn, H, V), dtype),
                         top_shift: T.int32, t_start: T.int32, top_off: T.int32):
         with T.Kernel(T.ceildiv(TS, bt), Hkv, B, threads=threads) as (bx, h, b):
-            q_s = T.alloc_shared((block_m, K), dtype)
-            q_lo = T.alloc_shared((block_m, K) if split else (1, 1), dtype)
-            k_s = T.alloc_shared((block_n, K), dtype)
-            k_lo = T.alloc_shared((block_n, K) if split else (1, 1), dtype)
+            q_s, q_lo, k_s, k_lo, kt, acc_s = alloc_scores()
             v_s = T.alloc_shared((block_n, V), dtype)
             v_lo = T.alloc_shared((block_n, V) if split else (1, 1), dtype)
             p_s = T.alloc_shared((block_m, block_n), dtype)
             p_lo = T.alloc_shared((block_m, block_n) if split else (1, 1), dtype)
-            kt = T.alloc_fragment((block_n, K), dtype)
             vt = T.alloc_fragment((block_n, V), dtype)
-            acc_s = T.alloc_fragment((block_m, block_n), "float32")
             s_part = T.alloc_fragment((block_m, block_n), "float32")
             acc_o = T.alloc_fragment((block_m, V), "float32")
             lse = T.alloc_fragment((block_m,), "float32")
@@ -398,16 +400,8 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     SL, SB, ST = T.dynamic("SL"), T.dynamic("SB"), T.dynamic("ST")
     # the slab's rows TS come from Thr; the L == 1 call passes one-row placeholders for the others
     TS, TK, NK, TP = T.dynamic("TS"), T.dynamic("TK"), T.dynamic("NK"), T.dynamic("TP")
-    rightmost_key = struct.unpack("<i", struct.pack("<f", RIGHTMOST_IMPORTANCE))[0]
 
     put, put_rotated = _operand_stores(dtype, half)
-
-    def head_sum(buf, j):
-        """sum_g buf[g, j] over the G real heads, in head order like the golden."""
-        total = buf[0, j]
-        for g in range(1, G):
-            total = total + buf[g, j]
-        return total
 
     def node_of(parents, p, n_par):
         """Layer node of candidate p (below the top: child p % r of parent p // r)."""
@@ -630,10 +624,8 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                             prob_s[g, j] = T.if_then_else(pr < _FLT_MIN, 0.0, pr)
                         for j in T.Parallel(block_n):
                             p = c * block_n + j
-                            bits = T.if_then_else(p == n - 1, rightmost_key, T.reinterpret(head_sum(prob_s, j), "int32"))
                             if p < n:
-                                keys[p] = T.bitwise_or(T.bitwise_and(bits, ~pos_mask),
-                                                       T.bitwise_and(T.bitwise_not(p), pos_mask))
+                                keys[p] = _packed_key(prob_s, G, 0, j, p, n, pos_mask)
                 if l > 0:
                     # top_k-th largest key: the largest thr with #(keys >= thr) >= top_k
                     if n > top_k:
