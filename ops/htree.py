@@ -191,6 +191,17 @@ def _top_layer_macros(num_heads: int, num_kv_heads: int, head_dim: int, scale: f
                         m, i)
 
     @T.macro
+    def load_slab_rows(Q, Cos, Sin, Lse, q_s, q_lo, lse, b, h, bx, t_start, TS, top_shift):
+        """The CTA's rows of the slab [t_start, t_start + TS) (load_queries) and their lse; returns
+        (first query t0, t_end, n_max: the top nodes its last query sees)."""
+        t0 = t_start + bx * bt
+        t_end = t_start + TS
+        load_queries(Q, Cos, Sin, q_s, q_lo, b, h, t0, t_end, top_shift)
+        for m in T.Parallel(block_m):
+            lse[m] = Lse[b, T.min(t0 + m // G, t_end - 1), h * G + m % G]
+        return t0, t_end, (T.min(t0 + bt, t_end) - 1 >> top_shift) + 1
+
+    @T.macro
     def chunk_scores(TopK, kt, k_s, k_lo, q_s, q_lo, acc_s, b, h, c, n_max):
         """acc_s[m, j] = log2-domain score of row m against top node c * block_n + j (K zero past n_max)."""
         for j, d in T.Parallel(block_n, head_dim):
@@ -215,7 +226,7 @@ def _top_layer_macros(num_heads: int, num_kv_heads: int, head_dim: int, scale: f
         acc_s = T.alloc_fragment((block_m, block_n), "float32")
         return q_s, q_lo, k_s, k_lo, kt, acc_s
 
-    return G, bt, put, alloc_scores, load_queries, chunk_scores
+    return G, bt, put, alloc_scores, load_queries, load_slab_rows, chunk_scores
 
 
 def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: str,
@@ -223,7 +234,8 @@ def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale
     """Lse[b, t, h]: log2-domain log-sum-exp of query head h's scores over the top layer (for L > 1),
     the softmax reference of the top layer's importance and merge."""
     H, Hkv, K = num_heads, num_kv_heads, head_dim
-    G, bt, _, alloc_scores, load_queries, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype, block_m, block_n)
+    G, bt, _, alloc_scores, load_queries, _, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype, block_m,
+                                                                              block_n)
     B, Tn, NT, NC = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC")
 
     @T.prim_func
@@ -263,7 +275,8 @@ def htree_top_keys_kernel(num_heads: int, num_kv_heads: int, head_dim: int, comp
     [t_start, t_start + TS): fp32 importance sum_g exp2(s_gp - lse_g) (subnormal terms flushed, heads summed
     in order, the rightmost node's 1e3) with its low LOG_N bits replaced by ~p."""
     H, Hkv, K = num_heads, num_kv_heads, head_dim
-    G, bt, _, alloc_scores, load_queries, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype, block_m, block_n)
+    G, bt, _, alloc_scores, _, load_slab_rows, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype, block_m,
+                                                                                block_n)
     pos_mask = (1 << pack_bits(compression_rate, top_k, max_top_nodes)) - 1
     B, Tn, NT, NC = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC")
     TS, NK = T.dynamic("TS"), T.dynamic("NK")
@@ -277,13 +290,7 @@ def htree_top_keys_kernel(num_heads: int, num_kv_heads: int, head_dim: int, comp
             q_s, q_lo, k_s, k_lo, kt, acc_s = alloc_scores()
             prob_s = T.alloc_shared((block_m, block_n), "float32")
             lse = T.alloc_fragment((block_m,), "float32")
-            t0 = t_start + bx * bt
-            t_end = t_start + TS
-            n_max = (T.min(t0 + bt, t_end) - 1 >> top_shift) + 1
-
-            load_queries(Q, Cos, Sin, q_s, q_lo, b, h, t0, t_end, top_shift)
-            for m in T.Parallel(block_m):
-                lse[m] = Lse[b, T.min(t0 + m // G, t_end - 1), h * G + m % G]
+            t0, t_end, n_max = load_slab_rows(Q, Cos, Sin, Lse, q_s, q_lo, lse, b, h, bx, t_start, TS, top_shift)
             for c in T.serial(T.ceildiv(n_max, block_n)):
                 chunk_scores(TopK, kt, k_s, k_lo, q_s, q_lo, acc_s, b, h, c, n_max)
                 for m, j in T.Parallel(block_m, block_n):
@@ -304,8 +311,8 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
     merged against the lse reference, combined with the walk's state of the layers below (PartO
     unnormalized against PartML's maximum, PartML's sum)."""
     H, Hkv, K, V = num_heads, num_kv_heads, head_dim, v_head_dim
-    G, bt, put, alloc_scores, load_queries, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype, block_m,
-                                                                            block_n)
+    G, bt, put, alloc_scores, _, load_slab_rows, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype,
+                                                                                  block_m, block_n)
     split = dtype == "float32"
     B, Tn, NT, NC, NN = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC"), T.dynamic("NN")
     TS, NK = T.dynamic("TS"), T.dynamic("NK")
@@ -330,13 +337,8 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
             lse = T.alloc_fragment((block_m,), "float32")
             thr = T.alloc_fragment((block_m,), "int32")
             s_top = T.alloc_fragment((block_m,), "float32")
-            t0 = t_start + bx * bt
-            t_end = t_start + TS
-            n_max = (T.min(t0 + bt, t_end) - 1 >> top_shift) + 1
-
-            load_queries(Q, Cos, Sin, q_s, q_lo, b, h, t0, t_end, top_shift)
+            t0, t_end, n_max = load_slab_rows(Q, Cos, Sin, Lse, q_s, q_lo, lse, b, h, bx, t_start, TS, top_shift)
             for m in T.Parallel(block_m):
-                lse[m] = Lse[b, T.min(t0 + m // G, t_end - 1), h * G + m % G]
                 thr[m] = Thr[b, T.min(t0 + m // G, t_end - 1) - t_start, h]
             T.fill(s_part, 0.0)
             T.fill(acc_o, 0.0)
