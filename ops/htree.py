@@ -868,13 +868,15 @@ class HTreeForwardTileLang:
         keys_buf = torch.empty(B * slab * Hkv * n_top, **i32)
         thr_buf = torch.empty(B * slab * Hkv, **i32)
         part_o_buf, part_ml_buf = torch.empty(B * slab * H * V, **f32), torch.empty(B * slab * H * 2, **f32)
+
+        def carve(buf, *shape):  # a contiguous view of the slab's part of a workspace
+            return buf[:math.prod(shape)].view(shape)
+
         for t0 in range(0, T, slab):
             ts = min(slab, T - t0)
             nk = ((t0 + ts - 1) >> shift) + 1  # the slab's last query has the most top-layer candidates
-            keys = keys_buf[:B * ts * Hkv * nk].view(B, ts, Hkv, nk)
-            thr = thr_buf[:B * ts * Hkv].view(B, ts, Hkv)
-            part_o = part_o_buf[:B * ts * H * V].view(B, ts, H, V)
-            part_ml = part_ml_buf[:B * ts * H * 2].view(B, ts, H, 2)
+            keys, thr = carve(keys_buf, B, ts, Hkv, nk), carve(thr_buf, B, ts, Hkv)
+            part_o, part_ml = carve(part_o_buf, B, ts, H, V), carve(part_ml_buf, B, ts, H, 2)
             self.top_keys(q, top, cos, sin, lse, keys, shift, t0)
             self.kernel(q, k, v, nodes_k, nodes_v, top, keys, cos, sin, layer_off, out, thr, part_o, part_ml, sel, L,
                         int(write_sel), t0)
