@@ -7,20 +7,23 @@ the KV cache is read once per (query tile, kv head) instead of three times per t
 in the naive kernel, and packing the heads of a GQA group divides the K/V traffic by `pack`. Both
 products run on the tensor cores (fp32 inputs run as TF32).
 
-A query tile must know its sequence. Rather than a host-side loop (a sync), a small device-side
-schedule is built from `cum_seq_lens_q` with torch ops: tile -> (sequence, first query token),
-sorted by decreasing KV length so the longest tiles start first (load balance over ragged
-batches). The tile count is an upper bound, `(total_q + num_seqs * (tokens - 1)) // tokens`;
-spare tiles are idle (no KV steps, no output).
+A query tile must know its sequence. Rather than a host-side loop (a sync), one small kernel
+(`paged_prefill_schedule_kernel`) builds the schedule on the device from `cum_seq_lens_q`: tile ->
+(sequence, first query token), sorted by decreasing KV length so the longest tiles start first
+(load balance over ragged batches). The tile count is an upper bound,
+`(total_q + num_seqs * (tokens - 1)) // tokens`; spare tiles are idle (no KV steps, no output).
 
 Two kernels share that plan:
 - `paged_prefill_ws_kernel` (fp16/bf16, pages of >= 16 rows), FlashAttention-3 style and
   persistent (one CTA per SM walks (tile, head group) items): a producer warpgroup loads whole
   pages of K and V by TMA (one copy per page, or `block_N` slice of a larger page, and 128-byte
   column band) into a ring of `num_stages` buffers, one full / free mbarrier pair per buffer, and
-  runs ahead into the next item, whose Q tile it also loads by TMA (two Q buffers where they fit);
-  two consumer warpgroups (64 query rows each) issue the scores of KV tile j and the P @ V product
-  of tile j-1 together, so the softmax of tile j overlaps that product on the tensor cores. The causal mask is applied only to tiles that cross the diagonal.
+  runs ahead into the next item, whose Q tile it also loads by TMA (two Q buffers where they fit),
+  handing the item's scalars (sequence position, KV steps) to the consumers in shared memory with
+  it; two consumer warpgroups (64 query rows each) issue the scores of KV tile j and the P @ V
+  product of tile j-1 together, so the softmax of tile j overlaps that product on the tensor cores.
+  The causal mask is applied only to tiles that cross the diagonal. A full tile's O is staged in its
+  Q buffer and stored by TMA (per-thread stores of the accumulator cost ~3 us per item).
 - `paged_prefill_gather_kernel` (fp32 as TF32, whose P goes through shared memory; pages under 16
   rows, gathered row by row with cp.async): one software pipeline, TileLang warp-specializes its
   whole-page loads (pages of >= 32 rows) on its own.
@@ -185,6 +188,19 @@ class _TilePlan:
         self.zero_v_tail = zero_v_tail
 
         @T.macro
+        def store_out_tma(Out, ring, qb, q_begin, q0, head0, warp, warps):
+            # Warp `warp` of `warps` stores its share of the O tile staged in stage qb of a ring (a full
+            # tile: every token row is valid) by TMA, one copy per token (as load_q_tma) and band, issued
+            # by one lane of the warp; the caller waits for the reads before reusing the stage.
+            per_warp = self.tokens // warps
+            for i in range(per_warp):
+                for c in range(0, head_size, band):
+                    t = warp * per_warp + i
+                    T.tma_copy(ring[qb, t * pack:(t + 1) * pack, c:c + band],
+                               Out[q_begin + q0 + t, head0:head0 + pack, c:c + band], leader_scope_threads=32)
+        self.store_out_tma = store_out_tma
+
+        @T.macro
         def store_out(Out, acc_o, denom, q_begin, q0, head0, rows):
             for i, d in T.Parallel(block_M, head_size):
                 if i // pack < rows:
@@ -225,6 +241,8 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
     accum = "float32"
     # The producer loads the next item's Q while the consumers work on this one, when two Q tiles fit.
     q_stages = 2 if _ws_smem_fits(2, block_N, num_stages, head_size) else 1
+    # Full tiles stage O in their Q buffer and store it by TMA, split over the 8 consumer warps.
+    tma_out = plan.tokens % 8 == 0
 
     def ring_stage(i, depth=num_stages):
         """The buffer of a ring of `depth` buffers taking its i-th use (KV step, or work item for Q)."""
@@ -242,6 +260,20 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
         tile = T.min(work // head_groups, num_tiles - 1)
         return plan.tile(TileSeq, TileQ0, CumSeqLensQ, SeqLens, tile, work % head_groups,
                          work < num_tiles * head_groups)
+
+    @T.macro
+    def issue_q(Q, q_ring, q_full, q_free, item_s, TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, tx, w):
+        # Q tile and scalars of item w, handed to the consumers through q_full (its arrival releases
+        # the scalars' shared stores).
+        busy, _, _, head0, q_begin, q_len, q0, kv_len, pos0, rows = work_tile(TileSeq, TileQ0, CumSeqLensQ,
+                                                                              SeqLens, cta, w)
+        qb = ring_stage(w, q_stages)
+        T.barrier_wait(q_free[qb], ring_phase(w, q_stages) ^ 1)
+        plan.load_q_tma(Q, q_ring, q_full, qb, q_begin, q0, q_len, head0)
+        if tx == 256:
+            for i, v in enumerate((plan.kv_steps(busy, pos0, rows), kv_len, pos0, q_begin, q0, head0, rows)):
+                item_s[qb, i] = v
+        T.barrier_arrive(q_full[qb])
 
     @T.prim_func
     def paged_prefill_ws(
@@ -266,6 +298,16 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
             v_free = T.alloc_barrier([256] * num_stages)
             q_full = T.alloc_barrier([128] * q_stages)
             q_free = T.alloc_barrier([256] * q_stages)
+            # The producer hands each item's scalars to the consumers with its Q tile (their global
+            # loads would otherwise stall the consumers at every item start).
+            item_s = T.alloc_shared((q_stages, 8), "int32")
+            steps = T.alloc_var("int32")
+            kv_len = T.alloc_var("int32")
+            pos0 = T.alloc_var("int32")
+            q_begin = T.alloc_var("int32")
+            q0 = T.alloc_var("int32")
+            head0 = T.alloc_var("int32")
+            rows = T.alloc_var("int32")
             acc_s = T.alloc_fragment((block_M, block_N), accum)
             acc_p = T.alloc_fragment((block_M, block_N), dtype)
             acc_o = T.alloc_fragment((block_M, head_size), accum)
@@ -281,17 +323,16 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
 
             if tx >= 256:  # producer warpgroup: K and V pages of every KV step into the rings
                 T.set_max_nreg(24, 0)
+                q_args = (Q, q_ring, q_full, q_free, item_s, TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, tx)
                 for w in T.serial(items):
-                    busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = work_tile(
+                    # (_p: the producer's own copies; the consumers' come through item_s)
+                    busy, seq, kv_head, _, _, _, _, kv_len_p, pos0_p, rows_p = work_tile(
                         TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, w)
-                    qb = ring_stage(w, q_stages)
-                    T.barrier_wait(q_free[qb], ring_phase(w, q_stages) ^ 1)
-                    plan.load_q_tma(Q, q_ring, q_full, qb, q_begin, q0, q_len, head0)
-                    T.barrier_arrive(q_full[qb])
-                    for kt in T.serial(plan.kv_steps(busy, pos0, rows)):
+                    issue_q(*q_args, w)
+                    for kt in T.serial(plan.kv_steps(busy, pos0_p, rows_p)):
                         st = ring_stage(step)
                         phase = ring_phase(step)
-                        blocks = plan.page_ids(BlockTables, seq, kv_len, kt)
+                        blocks = plan.page_ids(BlockTables, seq, kv_len_p, kt)
                         T.barrier_wait(k_free[st], phase ^ 1)
                         plan.load_pages(KCache, k_ring, blocks, kv_head, kt, k_full, st)
                         T.barrier_arrive(k_full[st])
@@ -302,16 +343,20 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
             else:  # consumer warpgroups: 64 query rows each
                 T.set_max_nreg(240, 1)
                 for w in T.serial(items):
-                    busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = work_tile(
-                        TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, w)
-                    steps = plan.kv_steps(busy, pos0, rows)
                     qb = ring_stage(w, q_stages)
-                    if use_alibi:
-                        plan.load_slopes(AlibiSlopes, slope, head0)
                     T.fill(acc_o, 0)
                     T.fill(denom, 0)
                     T.fill(m_cur, -T.infinity(accum))
                     T.barrier_wait(q_full[qb], ring_phase(w, q_stages))
+                    steps = item_s[qb, 0]
+                    kv_len = item_s[qb, 1]
+                    pos0 = item_s[qb, 2]
+                    q_begin = item_s[qb, 3]
+                    q0 = item_s[qb, 4]
+                    head0 = item_s[qb, 5]
+                    rows = item_s[qb, 6]
+                    if use_alibi:
+                        plan.load_slopes(AlibiSlopes, slope, head0)
                     for kt in T.serial(steps):
                         # Scores of step kt, then P @ V of step kt-1 behind them: the softmax below
                         # runs while the tensor cores finish that product.
@@ -336,7 +381,6 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
                         for i, d in T.Parallel(block_M, head_size):
                             acc_o[i, d] *= rescale[i]
                         T.copy(acc_s, acc_p)
-                    T.barrier_arrive(q_free[qb])  # the scores' products, its only readers, are done
                     if steps > 0:  # P @ V of the last step
                         last = ring_stage(step + steps - 1)
                         T.barrier_wait(v_full[last], ring_phase(step + steps - 1))
@@ -344,7 +388,17 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
                             plan.zero_v_tail(v_ring, steps - 1, kv_len, last)
                         T.gemm(acc_p, v_ring[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
                         T.barrier_arrive(v_free[last])
-                    plan.store_out(Out, acc_o, denom, q_begin, q0, head0, rows)
+                    if tma_out and rows == plan.tokens:
+                        # The scores' products, the Q tile's only readers, are done: O goes through it.
+                        for i, d in T.Parallel(block_M, head_size):
+                            q_ring[qb, i, d] = T.cast(acc_o[i, d] / denom[i], dtype)
+                        T.fence_proxy_async()  # the shared stores, before the TMA engine reads them
+                        T.sync_threads(1, 256)
+                        plan.store_out_tma(Out, q_ring, qb, q_begin, q0, head0, tx // 32, 8)
+                    else:
+                        plan.store_out(Out, acc_o, denom, q_begin, q0, head0, rows)
+                    T.tma_store_wait(0)  # the O store's reads of the Q buffer, before handing it back
+                    T.barrier_arrive(q_free[qb])
                     step = step + steps
 
     return paged_prefill_ws
@@ -437,6 +491,53 @@ def paged_prefill_gather_kernel(num_heads: int, num_kv_heads: int, head_size: in
             plan.store_out(Out, acc_o, denom, q_begin, q0, head0, rows)
 
     return paged_prefill
+
+
+def paged_prefill_schedule_kernel(tokens: int, threads: int = 256):
+    """The query tiles of a batch (`tokens` new tokens per tile) ordered by decreasing KV work, as
+    TileSeq[rank] (sequence, or -1 for the spare tiles at the end) and TileQ0[rank] (first query row).
+    One thread per tile: a tile's work key is its first row's KV position (history + q0), strictly
+    increasing along a sequence, so its rank counts per sequence in O(1) (ties go to the lower
+    sequence): O(num_seqs) per tile, one launch instead of a dozen small torch ops per call."""
+    num_seqs, num_tiles = T.dynamic("num_seqs, num_tiles")
+
+    def tiles_of(CumSeqLensQ, s):
+        return T.ceildiv(CumSeqLensQ[s + 1] - CumSeqLensQ[s], tokens)
+
+    def history(SeqLens, CumSeqLensQ, s):
+        return SeqLens[s] - (CumSeqLensQ[s + 1] - CumSeqLensQ[s])
+
+    @T.prim_func
+    def paged_prefill_schedule(SeqLens: T.Tensor((num_seqs,), "int32"),
+                               CumSeqLensQ: T.Tensor((num_seqs + 1,), "int32"),
+                               TileSeq: T.Tensor((num_tiles,), "int32"), TileQ0: T.Tensor((num_tiles,), "int32")):
+        with T.Kernel(T.ceildiv(num_tiles, threads), threads=threads) as bx:
+            tile = bx * threads + T.get_thread_binding()
+            seq = T.alloc_var("int32", init=-1)
+            first = T.alloc_var("int32", init=0)  # tiles of the sequences before `seq`
+            total = T.alloc_var("int32", init=0)
+            rank = T.alloc_var("int32", init=0)
+            for s in T.serial(num_seqs):
+                if T.And(seq < 0, tile < total + tiles_of(CumSeqLensQ, s)):
+                    seq = s
+                    first = total
+                total = total + tiles_of(CumSeqLensQ, s)
+            if tile < num_tiles:
+                if seq >= 0:
+                    key = history(SeqLens, CumSeqLensQ, seq) + (tile - first) * tokens
+                    for s in T.serial(num_seqs):
+                        d = key - history(SeqLens, CumSeqLensQ, s)  # the other sequence's tiles j with j * tokens > d rank first
+                        n = tiles_of(CumSeqLensQ, s)
+                        rank = rank + T.if_then_else(d < 0, n, T.max(0, n - d // tokens - 1))
+                        rank = rank + T.if_then_else(T.And(T.And(s < seq, d >= 0), T.And(d % tokens == 0,
+                                                                                          d // tokens < n)), 1, 0)
+                    TileSeq[rank] = seq
+                    TileQ0[rank] = (tile - first) * tokens
+                else:  # spare tiles: past every real one (whose ranks are 0 .. total - 1)
+                    TileSeq[tile] = -1
+                    TileQ0[tile] = 0
+
+    return paged_prefill_schedule
 
 
 def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: str,
@@ -534,6 +635,9 @@ class PagedAttentionPrefillTileLang:
         # the error of the bf16/fp16 probabilities fed to the second product).
         self.kernel = compile_kernel(paged_prefill_kernel(**self.spec, **self.config),
                                      pass_configs={"tl.enable_fast_math": True})
+        tile_m = self.config.get("block_M", _WS_BLOCK_M)
+        self.tile_tokens = tile_m // head_pack(num_heads, num_kv_heads, tile_m)
+        self.schedule_kernel = compile_kernel(paged_prefill_schedule_kernel(self.tile_tokens))
 
     # ------------------------------------------------------------------ checks
     def _kv_shape(self, num_blocks: int) -> list:
@@ -585,22 +689,14 @@ class PagedAttentionPrefillTileLang:
 
     # ------------------------------------------------------------------ launch
     def schedule(self, total_q: int, seq_lens: torch.Tensor, cum_seq_lens_q: torch.Tensor):
-        """Query tiles -> (sequence or -1, first query row), longest KV first; on the device."""
-        tile_m = self.config.get("block_M", _WS_BLOCK_M)
-        block_m = tile_m // head_pack(self.num_heads, self.num_kv_heads, tile_m)
-        num_seqs = seq_lens.shape[0]
-        q_lens = cum_seq_lens_q[1:] - cum_seq_lens_q[:-1]
-        tiles = (q_lens + block_m - 1) // block_m
-        tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
-        idx = torch.arange((total_q + num_seqs * (block_m - 1)) // block_m, device=seq_lens.device,
-                           dtype=torch.int32)
-        seq = torch.searchsorted(tile_end, idx, right=True, out_int32=True)
-        idle = seq >= num_seqs
-        seq_c = seq.clamp(max=num_seqs - 1).long()
-        q0 = (idx - (tile_end - tiles)[seq_c]) * block_m
-        work = torch.where(idle, -1, seq_lens[seq_c] - q_lens[seq_c] + q0)
-        order = torch.argsort(work, descending=True)
-        return torch.where(idle, -1, seq)[order], q0[order].to(torch.int32)
+        """Query tiles -> (sequence or -1, first query row), longest KV first; on the device (int32
+        inputs). The tile count is an upper bound: spare tiles come last, with sequence -1."""
+        num_seqs, tokens = seq_lens.shape[0], self.tile_tokens
+        num_tiles = (total_q + num_seqs * (tokens - 1)) // tokens
+        tile_seq = torch.empty(num_tiles, dtype=torch.int32, device=seq_lens.device)
+        tile_q0 = torch.empty_like(tile_seq)
+        self.schedule_kernel(seq_lens, cum_seq_lens_q, tile_seq, tile_q0)
+        return tile_seq, tile_q0
 
     def tune_args(self, q, k_cache, v_cache, block_tables, seq_lens, cum_seq_lens_q, alibi_slopes=None):
         seq_lens, cum = _as_int32(seq_lens), _as_int32(cum_seq_lens_q)

@@ -28,6 +28,8 @@ GPU_CASES = [
           kv_layout="NHD"), [33, 0, 200, 1], [500, 7, 0, 95]),  # whole-page loads from the NHD layout
     (dict(num_heads=3, num_kv_heads=3, head_size=128, block_size=16, dtype=torch.float16, kv_layout="NHD"),
      [130, 1, 300], [0, 77, 20]),  # one query head per tile row: Q tiles by one copy of all tokens
+    (dict(num_heads=8, num_kv_heads=2, head_size=256, block_size=64, dtype=torch.float16, kv_layout="NHD"),
+     [64, 1, 200], [0, 129, 31]),  # one Q buffer (head_size 256) with O stored by TMA for full tiles
 ]
 
 
@@ -109,3 +111,27 @@ def test_warp_specialized_configs(config, poisoned):
     spec = dict(num_heads=8, num_kv_heads=1, head_size=64, block_size=32, dtype=torch.bfloat16, kv_layout="HND",
                 config=config)
     _run(spec, [200, 1, 0, 77, 16], [700, 0, 5, 1300, 2000], use_out=False, poisoned=poisoned)
+
+
+@pytest.mark.gpu
+def test_schedule_orders_tiles_by_work():
+    """Every query tile exactly once, by non-increasing KV work (history + first row), spare tiles last."""
+    gen = torch.Generator().manual_seed(3)
+    for spec, q_lens, histories in GPU_CASES[:1] + GPU_CASES[4:5] + GPU_CASES[7:]:
+        op = PagedAttentionPrefillTileLang(**spec)
+        for _ in range(4):
+            seq_lens = [q + h for q, h in zip(q_lens, histories)]
+            cum = torch.tensor([0] + q_lens).cumsum(0)
+            tile_seq, tile_q0 = op.schedule(int(cum[-1]), torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+                                            cum.to("cuda", torch.int32))
+            tile_seq, tile_q0 = tile_seq.tolist(), tile_q0.tolist()
+            tokens = op.tile_tokens
+            want = sorted((s, j) for s, q in enumerate(q_lens) for j in range(0, q, tokens))
+            real = [(s, q0) for s, q0 in zip(tile_seq, tile_q0) if s >= 0]
+            assert sorted(real) == want
+            assert tile_seq[len(real):] == [-1] * (len(tile_seq) - len(real))  # spare tiles last
+            work = [seq_lens[s] - q_lens[s] + q0 for s, q0 in real]
+            assert work == sorted(work, reverse=True)
+            n = int(torch.randint(1, 9, (), generator=gen))
+            q_lens = torch.randint(0, 400, (n,), generator=gen).tolist()
+            histories = torch.randint(0, 900, (n,), generator=gen).tolist()
