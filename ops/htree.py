@@ -216,17 +216,20 @@ def _top_layer_macros(num_heads: int, num_kv_heads: int, head_dim: int, scale: f
             T.gemm(q_lo, k_s, acc_s, transpose_B=True)
 
     @T.macro
+    def alloc_operand(shape):
+        """An mma operand's shared tile and the tile of its split-TF32 low halves (fp32; else a stub)."""
+        return T.alloc_shared(shape, dtype), T.alloc_shared(shape if split else (1, 1), dtype)
+
+    @T.macro
     def alloc_scores():
-        """chunk_scores' buffers (q_s, q_lo, k_s, k_lo, kt, acc_s); the _lo halves only for fp32."""
-        q_s = T.alloc_shared((block_m, head_dim), dtype)
-        q_lo = T.alloc_shared((block_m, head_dim) if split else (1, 1), dtype)
-        k_s = T.alloc_shared((block_n, head_dim), dtype)
-        k_lo = T.alloc_shared((block_n, head_dim) if split else (1, 1), dtype)
+        """chunk_scores' buffers (q_s, q_lo, k_s, k_lo, kt, acc_s)."""
+        q_s, q_lo = alloc_operand((block_m, head_dim))
+        k_s, k_lo = alloc_operand((block_n, head_dim))
         kt = T.alloc_fragment((block_n, head_dim), dtype)
         acc_s = T.alloc_fragment((block_m, block_n), "float32")
         return q_s, q_lo, k_s, k_lo, kt, acc_s
 
-    return G, bt, put, alloc_scores, load_queries, load_slab_rows, chunk_scores
+    return G, bt, put, alloc_operand, alloc_scores, load_queries, load_slab_rows, chunk_scores
 
 
 def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: str,
@@ -234,8 +237,8 @@ def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale
     """Lse[b, t, h]: log2-domain log-sum-exp of query head h's scores over the top layer (for L > 1),
     the softmax reference of the top layer's importance and merge."""
     H, Hkv, K = num_heads, num_kv_heads, head_dim
-    G, bt, _, alloc_scores, load_queries, _, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype, block_m,
-                                                                              block_n)
+    G, bt, _, _, alloc_scores, load_queries, _, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype,
+                                                                                 block_m, block_n)
     B, Tn, NT, NC = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC")
 
     @T.prim_func
@@ -275,8 +278,8 @@ def htree_top_keys_kernel(num_heads: int, num_kv_heads: int, head_dim: int, comp
     [t_start, t_start + TS): fp32 importance sum_g exp2(s_gp - lse_g) (subnormal terms flushed, heads summed
     in order, the rightmost node's 1e3) with its low LOG_N bits replaced by ~p."""
     H, Hkv, K = num_heads, num_kv_heads, head_dim
-    G, bt, _, alloc_scores, _, load_slab_rows, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype, block_m,
-                                                                                block_n)
+    G, bt, _, _, alloc_scores, _, load_slab_rows, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype,
+                                                                                   block_m, block_n)
     pos_mask = (1 << pack_bits(compression_rate, top_k, max_top_nodes)) - 1
     B, Tn, NT, NC = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC")
     TS, NK = T.dynamic("TS"), T.dynamic("NK")
@@ -311,8 +314,8 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
     merged against the lse reference, combined with the walk's state of the layers below (PartO
     unnormalized against PartML's maximum, PartML's sum)."""
     H, Hkv, K, V = num_heads, num_kv_heads, head_dim, v_head_dim
-    G, bt, put, alloc_scores, _, load_slab_rows, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype,
-                                                                                  block_m, block_n)
+    G, bt, put, alloc_operand, alloc_scores, _, load_slab_rows, chunk_scores = _top_layer_macros(
+        H, Hkv, K, scale, dtype, block_m, block_n)
     split = dtype == "float32"
     B, Tn, NT, NC, NN = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC"), T.dynamic("NN")
     TS, NK = T.dynamic("TS"), T.dynamic("NK")
@@ -327,10 +330,8 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
                         top_shift: T.int32, t_start: T.int32, top_off: T.int32):
         with T.Kernel(T.ceildiv(TS, bt), Hkv, B, threads=threads) as (bx, h, b):
             q_s, q_lo, k_s, k_lo, kt, acc_s = alloc_scores()
-            v_s = T.alloc_shared((block_n, V), dtype)
-            v_lo = T.alloc_shared((block_n, V) if split else (1, 1), dtype)
-            p_s = T.alloc_shared((block_m, block_n), dtype)
-            p_lo = T.alloc_shared((block_m, block_n) if split else (1, 1), dtype)
+            v_s, v_lo = alloc_operand((block_n, V))
+            p_s, p_lo = alloc_operand((block_m, block_n))
             vt = T.alloc_fragment((block_n, V), dtype)
             s_part = T.alloc_fragment((block_m, block_n), "float32")
             acc_o = T.alloc_fragment((block_m, V), "float32")

@@ -526,7 +526,8 @@ def paged_prefill_schedule_kernel(tokens: int, threads: int = 256):
                 if seq >= 0:
                     key = history(SeqLens, CumSeqLensQ, seq) + (tile - first) * tokens
                     for s in T.serial(num_seqs):
-                        d = key - history(SeqLens, CumSeqLensQ, s)  # the other sequence's tiles j with j * tokens > d rank first
+                        # sequence s's tiles j with j * tokens > d rank first (and j * tokens == d, for s < seq)
+                        d = key - history(SeqLens, CumSeqLensQ, s)
                         n = tiles_of(CumSeqLensQ, s)
                         rank = rank + T.if_then_else(d < 0, n, T.max(0, n - d // tokens - 1))
                         rank = rank + T.if_then_else(T.And(T.And(s < seq, d >= 0), T.And(d % tokens == 0,
