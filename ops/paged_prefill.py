@@ -15,12 +15,12 @@ A query tile must know its sequence. Rather than a host-side loop (a sync), one 
 
 Two kernels share that plan:
 - `paged_prefill_ws_kernel` (fp16/bf16, pages of >= 16 rows), FlashAttention-3 style and
-  persistent (one CTA per SM walks (tile, head group) items): a producer warpgroup loads whole
-  pages of K and V by TMA (one copy per page, or `block_N` slice of a larger page, and 128-byte
-  column band) into a ring of `num_stages` buffers, one full / free mbarrier pair per buffer, and
-  runs ahead into the next item, whose Q tile it also loads by TMA (two Q buffers where they fit),
-  handing the item's scalars (sequence position, KV steps) to the consumers in shared memory with
-  it; two consumer warpgroups (64 query rows each) issue the scores of KV tile j and the P @ V
+  persistent (one CTA per SM walks (tile, head group) items). In the producer warpgroup one warp
+  loads each item's Q tile by TMA (two Q buffers where they fit, so a whole item ahead) and hands
+  the item's scalars (sequence, position, KV steps) to the others in shared memory with it; another
+  warp loads whole pages of K and V by TMA (one copy per page, or `block_N` slice of a larger page,
+  and 128-byte column band) into a ring of `num_stages` buffers, one full / free mbarrier pair per
+  buffer, running into the next item without waiting on anything but its ring; two consumer warpgroups (64 query rows each) issue the scores of KV tile j and the P @ V
   product of tile j-1 together, so the softmax of tile j overlaps that product on the tensor cores.
   The causal mask is applied only to tiles that cross the diagonal. A full tile's O is staged in its
   Q buffer and stored by TMA (per-thread stores of the accumulator cost ~3 us per item).
@@ -52,6 +52,7 @@ _PAGE_LOADS_FROM = 32
 _WS_PAGES_FROM = 16
 _WS_BLOCK_M = 128  # two consumer warpgroups of 64 query rows
 _WS_THREADS = 384  # producer warpgroup + 2 consumer warpgroups
+_WS_Q_WARP = 9  # the producer warp that loads Q tiles (warp 8 loads K and V; the K/V ring never waits on Q)
 _WS_SMEM_LIMIT = 220 * 1024  # of the 227 KB a CTA may use; the rest is barriers and alignment
 
 
@@ -119,7 +120,7 @@ class _TilePlan:
                     if bars is None:
                         T.copy(src, dst[rows, c:c + band])
                     else:
-                        T.tma_copy(src, dst[st, rows, c:c + band], barrier=bars[st])
+                        T.tma_copy(src, dst[st, rows, c:c + band], barrier=bars[st], leader_scope_threads=32)
         self.load_pages = load_pages
 
         @T.macro
@@ -137,12 +138,13 @@ class _TilePlan:
             for c in range(0, head_size, band):
                 if pack == 1:
                     T.tma_copy(Q[q_begin + q0:q_begin + q0 + self.tokens, head0, c:c + band],
-                               q_ring[qb, :, c:c + band], barrier=bars[qb])
+                               q_ring[qb, :, c:c + band], barrier=bars[qb], leader_scope_threads=32)
                 else:
                     for t in range(self.tokens):
                         tok = q_begin + T.max(T.min(q0 + t, q_len - 1), 0)
                         T.tma_copy(Q[tok, head0:head0 + pack, c:c + band],
-                                   q_ring[qb, t * pack:(t + 1) * pack, c:c + band], barrier=bars[qb])
+                                   q_ring[qb, t * pack:(t + 1) * pack, c:c + band], barrier=bars[qb],
+                                   leader_scope_threads=32)
         self.load_q_tma = load_q_tma
 
         @T.macro
@@ -263,15 +265,15 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
 
     @T.macro
     def issue_q(Q, q_ring, q_full, q_free, item_s, TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, tx, w):
-        # Q tile and scalars of item w, handed to the consumers through q_full (its arrival releases
-        # the scalars' shared stores).
-        busy, _, _, head0, q_begin, q_len, q0, kv_len, pos0, rows = work_tile(TileSeq, TileQ0, CumSeqLensQ,
-                                                                              SeqLens, cta, w)
+        # Q tile and scalars of item w, handed to the consumers and the K/V warp through q_full (its
+        # arrival releases the scalars' shared stores).
+        busy, seq, _, head0, q_begin, q_len, q0, kv_len, pos0, rows = work_tile(TileSeq, TileQ0, CumSeqLensQ,
+                                                                                SeqLens, cta, w)
         qb = ring_stage(w, q_stages)
         T.barrier_wait(q_free[qb], ring_phase(w, q_stages) ^ 1)
         plan.load_q_tma(Q, q_ring, q_full, qb, q_begin, q0, q_len, head0)
-        if tx == 256:
-            for i, v in enumerate((plan.kv_steps(busy, pos0, rows), kv_len, pos0, q_begin, q0, head0, rows)):
+        if tx == _WS_Q_WARP * 32:
+            for i, v in enumerate((plan.kv_steps(busy, pos0, rows), kv_len, pos0, q_begin, q0, head0, rows, seq)):
                 item_s[qb, i] = v
         T.barrier_arrive(q_full[qb])
 
@@ -292,14 +294,14 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
             q_ring = T.alloc_shared((q_stages, block_M, head_size), dtype)
             k_ring = T.alloc_shared((num_stages, block_N, head_size), dtype)
             v_ring = T.alloc_shared((num_stages, block_N, head_size), dtype)
-            k_full = T.alloc_barrier([128] * num_stages)  # producer threads arrive, TMA bytes complete it
-            v_full = T.alloc_barrier([128] * num_stages)
+            k_full = T.alloc_barrier([32] * num_stages)  # the K/V warp arrives, TMA bytes complete it
+            v_full = T.alloc_barrier([32] * num_stages)
             k_free = T.alloc_barrier([256] * num_stages)  # consumer threads arrive when done reading
             v_free = T.alloc_barrier([256] * num_stages)
-            q_full = T.alloc_barrier([128] * q_stages)
+            q_full = T.alloc_barrier([32] * q_stages)  # the Q warp
             q_free = T.alloc_barrier([256] * q_stages)
-            # The producer hands each item's scalars to the consumers with its Q tile (their global
-            # loads would otherwise stall the consumers at every item start).
+            # The Q warp hands each item's scalars to the consumers and the K/V warp with its Q tile (their
+            # global loads would otherwise stall them at every item start).
             item_s = T.alloc_shared((q_stages, 8), "int32")
             steps = T.alloc_var("int32")
             kv_len = T.alloc_var("int32")
@@ -321,27 +323,32 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
             tx = T.get_thread_binding()
             items = T.ceildiv(num_tiles * head_groups, num_ctas)  # rounds of work (work_tile)
 
-            if tx >= 256:  # producer warpgroup: K and V pages of every KV step into the rings
-                T.set_max_nreg(24, 0)
-                q_args = (Q, q_ring, q_full, q_free, item_s, TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, tx)
-                for w in T.serial(items):
-                    # (_p: the producer's own copies; the consumers' come through item_s)
-                    busy, seq, kv_head, _, _, _, _, kv_len_p, pos0_p, rows_p = work_tile(
-                        TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, w)
-                    issue_q(*q_args, w)
-                    for kt in T.serial(plan.kv_steps(busy, pos0_p, rows_p)):
-                        st = ring_stage(step)
-                        phase = ring_phase(step)
-                        blocks = plan.page_ids(BlockTables, seq, kv_len_p, kt)
-                        T.barrier_wait(k_free[st], phase ^ 1)
-                        plan.load_pages(KCache, k_ring, blocks, kv_head, kt, k_full, st)
-                        T.barrier_arrive(k_full[st])
-                        T.barrier_wait(v_free[st], phase ^ 1)
-                        plan.load_pages(VCache, v_ring, blocks, kv_head, kt, v_full, st)
-                        T.barrier_arrive(v_full[st])
-                        step = step + 1
+            if tx >= 256:  # producer warpgroup: one warp loads K and V, one Q and the item scalars
+                T.set_max_nreg(40, 0)  # at 24 the page-id math spills (128 B at 16-row pages)
+                if tx < _WS_Q_WARP * 32:  # warp 8
+                    for w in T.serial(items):
+                        qb = ring_stage(w, q_stages)
+                        T.barrier_wait(q_full[qb], ring_phase(w, q_stages))
+                        steps_p = item_s[qb, 0]
+                        kv_len_p = item_s[qb, 1]
+                        kv_head = item_s[qb, 5] // plan.groups
+                        seq = item_s[qb, 7]
+                        for kt in T.serial(steps_p):
+                            st = ring_stage(step)
+                            phase = ring_phase(step)
+                            blocks = plan.page_ids(BlockTables, seq, kv_len_p, kt)
+                            T.barrier_wait(k_free[st], phase ^ 1)
+                            plan.load_pages(KCache, k_ring, blocks, kv_head, kt, k_full, st)
+                            T.barrier_arrive(k_full[st])
+                            T.barrier_wait(v_free[st], phase ^ 1)
+                            plan.load_pages(VCache, v_ring, blocks, kv_head, kt, v_full, st)
+                            T.barrier_arrive(v_full[st])
+                            step = step + 1
+                elif tx < _WS_Q_WARP * 32 + 32:
+                    for w in T.serial(items):
+                        issue_q(Q, q_ring, q_full, q_free, item_s, TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, tx, w)
             else:  # consumer warpgroups: 64 query rows each
-                T.set_max_nreg(240, 1)
+                T.set_max_nreg(232, 1)  # 128 x 40 + 256 x 232 fits the 168 x 384 of the launch
                 for w in T.serial(items):
                     qb = ring_stage(w, q_stages)
                     T.fill(acc_o, 0)
