@@ -7,7 +7,9 @@ Kernels:
   - the top layer (for L > 1) is done by GEMMs over blocks of queries, since all queries score the same
     rotated top-layer rows (only their own RoPE position differs): ``htree_top_lse_kernel`` computes every
     query head's log-sum-exp over it, ``htree_top_keys_kernel`` every query's packed importance keys,
-    and, after the walk, ``htree_top_merge_kernel`` merges the top layer's non-winners and writes O;
+    and, after the walk, ``htree_top_merge_kernel`` merges the top layer's non-winners and writes O (each
+    streams the top layer in chunks staged by cp.async one chunk ahead, so a chunk's loads overlap the
+    previous chunk's products);
   - ``htree_fwd_kernel`` walks the rest of one (b, t, kv head) row in one CTA: the top layer's top-k from
     its keys, then every lower layer, fused, so the selected parents of a layer live in shared memory.
 
@@ -202,18 +204,35 @@ def _top_layer_macros(num_heads: int, num_kv_heads: int, head_dim: int, scale: f
         return t0, t_end, (T.min(t0 + bt, t_end) - 1 >> top_shift) + 1
 
     @T.macro
-    def chunk_scores(TopK, kt, k_s, k_lo, q_s, q_lo, acc_s, b, h, c, n_max):
-        """acc_s[m, j] = log2-domain score of row m against top node c * block_n + j (K zero past n_max)."""
-        for j, d in T.Parallel(block_n, head_dim):
-            kt[j, d] = T.if_then_else(c * block_n + j < n_max,
-                                      TopK[b, h, T.min(c * block_n + j, TopK.shape[2] - 1), d], T.cast(0.0, dtype))
-        for j, d in T.Parallel(block_n, head_dim):
-            put(T.cast(kt[j, d], "float32"), k_s, k_lo, j, d)
+    def load_chunk(TopK, kt_s, b, h, c, NodesV=None, vt_s=None, top_off=None):
+        """Chunk c's rotated top-layer K (and V) into stage c % 2 by cp.async, rows past the buffers as
+        zeros (the callers mask candidates past a query's n by position)."""
+        T.async_copy(TopK[b, h, c * block_n:(c + 1) * block_n, :], kt_s[c % 2, :, :])
+        if NodesV is not None:
+            T.async_copy(NodesV[b, top_off + c * block_n:top_off + (c + 1) * block_n, h, :], vt_s[c % 2, :, :])
+
+    @T.macro
+    def await_chunk(TopK, kt_s, b, h, c, nc, NodesV=None, vt_s=None, top_off=None):
+        """Chunk c's copies landed (for all threads), chunk c + 1's issued: its loads overlap chunk c's math."""
+        if c + 1 < nc:
+            load_chunk(TopK, kt_s, b, h, c + 1, NodesV, vt_s, top_off)
+            T.ptx_wait_group(1 if NodesV is None else 2)
+        else:
+            T.ptx_wait_group(0)
+        T.sync_threads()
+
+    @T.macro
+    def chunk_scores(kt_s, k_s, k_lo, q_s, q_lo, acc_s, c):
+        """acc_s[m, j] = log2-domain score of row m against top node c * block_n + j (its K in kt_s[c % 2])."""
         T.clear(acc_s)
-        T.gemm(q_s, k_s, acc_s, transpose_B=True)
         if split:
+            for j, d in T.Parallel(block_n, head_dim):
+                put(kt_s[c % 2, j, d], k_s, k_lo, j, d)
+            T.gemm(q_s, k_s, acc_s, transpose_B=True)
             T.gemm(q_s, k_lo, acc_s, transpose_B=True)
             T.gemm(q_lo, k_s, acc_s, transpose_B=True)
+        else:
+            T.gemm(q_s, kt_s[c % 2, :, :], acc_s, transpose_B=True)
 
     @T.macro
     def alloc_operand(shape):
@@ -222,14 +241,15 @@ def _top_layer_macros(num_heads: int, num_kv_heads: int, head_dim: int, scale: f
 
     @T.macro
     def alloc_scores():
-        """chunk_scores' buffers (q_s, q_lo, k_s, k_lo, kt, acc_s)."""
+        """chunk_scores' buffers (q_s, q_lo, k_s, k_lo, kt_s, acc_s); 16-bit products read the staged K."""
         q_s, q_lo = alloc_operand((block_m, head_dim))
-        k_s, k_lo = alloc_operand((block_n, head_dim))
-        kt = T.alloc_fragment((block_n, head_dim), dtype)
+        k_s, k_lo = alloc_operand((block_n, head_dim) if split else (1, 1))
+        kt_s = T.alloc_shared((2, block_n, head_dim), dtype)
         acc_s = T.alloc_fragment((block_m, block_n), "float32")
-        return q_s, q_lo, k_s, k_lo, kt, acc_s
+        return q_s, q_lo, k_s, k_lo, kt_s, acc_s
 
-    return G, bt, put, alloc_operand, alloc_scores, load_queries, load_slab_rows, chunk_scores
+    return (G, bt, put, alloc_operand, alloc_scores, load_queries, load_slab_rows, load_chunk, await_chunk,
+            chunk_scores)
 
 
 def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: str,
@@ -237,8 +257,8 @@ def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale
     """Lse[b, t, h]: log2-domain log-sum-exp of query head h's scores over the top layer (for L > 1),
     the softmax reference of the top layer's importance and merge."""
     H, Hkv, K = num_heads, num_kv_heads, head_dim
-    G, bt, _, _, alloc_scores, load_queries, _, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype,
-                                                                                 block_m, block_n)
+    G, bt, _, _, alloc_scores, load_queries, _, load_chunk, await_chunk, chunk_scores = _top_layer_macros(
+        H, Hkv, K, scale, dtype, block_m, block_n)
     B, Tn, NT, NC = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC")
 
     @T.prim_func
@@ -246,7 +266,7 @@ def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale
                       Cos: T.Tensor((NC, K // 2), "float32"), Sin: T.Tensor((NC, K // 2), "float32"),
                       Lse: T.Tensor((B, Tn, H), "float32"), top_shift: T.int32):
         with T.Kernel(T.ceildiv(Tn, bt), Hkv, B, threads=threads) as (bx, h, b):
-            q_s, q_lo, k_s, k_lo, kt, acc_s = alloc_scores()
+            q_s, q_lo, k_s, k_lo, kt_s, acc_s = alloc_scores()
             m_part = T.alloc_fragment((block_m, block_n), "float32")
             l_part = T.alloc_fragment((block_m, block_n), "float32")
             m_row = T.alloc_fragment((block_m,), "float32")
@@ -254,11 +274,14 @@ def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale
             t0 = bx * bt
             n_max = (T.min(t0 + bt, Tn) - 1 >> top_shift) + 1  # the CTA's last query sees the most nodes
 
+            nc = T.ceildiv(n_max, block_n)
+            load_chunk(TopK, kt_s, b, h, 0)
             load_queries(Q, Cos, Sin, q_s, q_lo, b, h, t0, Tn, top_shift)
             T.fill(m_part, _NEG)
             T.fill(l_part, 0.0)
-            for c in T.serial(T.ceildiv(n_max, block_n)):
-                chunk_scores(TopK, kt, k_s, k_lo, q_s, q_lo, acc_s, b, h, c, n_max)
+            for c in T.serial(nc):
+                await_chunk(TopK, kt_s, b, h, c, nc)
+                chunk_scores(kt_s, k_s, k_lo, q_s, q_lo, acc_s, c)
                 for m, j in T.Parallel(block_m, block_n):
                     _lse_update(m_part, l_part, m, j,
                                 T.if_then_else(c * block_n + j <= (T.min(t0 + m // G, Tn - 1) >> top_shift),
@@ -278,8 +301,8 @@ def htree_top_keys_kernel(num_heads: int, num_kv_heads: int, head_dim: int, comp
     [t_start, t_start + TS): fp32 importance sum_g exp2(s_gp - lse_g) (subnormal terms flushed, heads summed
     in order, the rightmost node's 1e3) with its low LOG_N bits replaced by ~p."""
     H, Hkv, K = num_heads, num_kv_heads, head_dim
-    G, bt, _, _, alloc_scores, _, load_slab_rows, chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype,
-                                                                                   block_m, block_n)
+    G, bt, _, _, alloc_scores, _, load_slab_rows, load_chunk, await_chunk, chunk_scores = _top_layer_macros(
+        H, Hkv, K, scale, dtype, block_m, block_n)
     pos_mask = (1 << pack_bits(compression_rate, top_k, max_top_nodes)) - 1
     B, Tn, NT, NC = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC")
     TS, NK = T.dynamic("TS"), T.dynamic("NK")
@@ -290,12 +313,15 @@ def htree_top_keys_kernel(num_heads: int, num_kv_heads: int, head_dim: int, comp
                        Lse: T.Tensor((B, Tn, H), "float32"), Keys: T.Tensor((B, TS, Hkv, NK), "int32"),
                        top_shift: T.int32, t_start: T.int32):
         with T.Kernel(T.ceildiv(TS, bt), Hkv, B, threads=threads) as (bx, h, b):
-            q_s, q_lo, k_s, k_lo, kt, acc_s = alloc_scores()
+            q_s, q_lo, k_s, k_lo, kt_s, acc_s = alloc_scores()
             prob_s = T.alloc_shared((block_m, block_n), "float32")
             lse = T.alloc_fragment((block_m,), "float32")
             t0, t_end, n_max = load_slab_rows(Q, Cos, Sin, Lse, q_s, q_lo, lse, b, h, bx, t_start, TS, top_shift)
-            for c in T.serial(T.ceildiv(n_max, block_n)):
-                chunk_scores(TopK, kt, k_s, k_lo, q_s, q_lo, acc_s, b, h, c, n_max)
+            nc = T.ceildiv(n_max, block_n)
+            load_chunk(TopK, kt_s, b, h, 0)
+            for c in T.serial(nc):
+                await_chunk(TopK, kt_s, b, h, c, nc)
+                chunk_scores(kt_s, k_s, k_lo, q_s, q_lo, acc_s, c)
                 for m, j in T.Parallel(block_m, block_n):
                     pr = T.exp2(acc_s[m, j] - lse[m])
                     prob_s[m, j] = T.if_then_else(pr < _FLT_MIN, 0.0, pr)
@@ -314,8 +340,8 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
     merged against the lse reference, combined with the walk's state of the layers below (PartO
     unnormalized against PartML's maximum, PartML's sum)."""
     H, Hkv, K, V = num_heads, num_kv_heads, head_dim, v_head_dim
-    G, bt, put, alloc_operand, alloc_scores, _, load_slab_rows, chunk_scores = _top_layer_macros(
-        H, Hkv, K, scale, dtype, block_m, block_n)
+    G, bt, put, alloc_operand, alloc_scores, _, load_slab_rows, load_chunk, await_chunk, chunk_scores = (
+        _top_layer_macros(H, Hkv, K, scale, dtype, block_m, block_n))
     split = dtype == "float32"
     B, Tn, NT, NC, NN = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC"), T.dynamic("NN")
     TS, NK = T.dynamic("TS"), T.dynamic("NK")
@@ -329,26 +355,25 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
                         PartML: T.Tensor((B, TS, H, 2), "float32"), O: T.Tensor((B, Tn, H, V), dtype),
                         top_shift: T.int32, t_start: T.int32, top_off: T.int32):
         with T.Kernel(T.ceildiv(TS, bt), Hkv, B, threads=threads) as (bx, h, b):
-            q_s, q_lo, k_s, k_lo, kt, acc_s = alloc_scores()
-            v_s, v_lo = alloc_operand((block_n, V))
+            q_s, q_lo, k_s, k_lo, kt_s, acc_s = alloc_scores()
+            v_s, v_lo = alloc_operand((block_n, V) if split else (1, 1))
             p_s, p_lo = alloc_operand((block_m, block_n))
-            vt = T.alloc_fragment((block_n, V), dtype)
+            vt_s = T.alloc_shared((2, block_n, V), dtype)
             s_part = T.alloc_fragment((block_m, block_n), "float32")
             acc_o = T.alloc_fragment((block_m, V), "float32")
             lse = T.alloc_fragment((block_m,), "float32")
             thr = T.alloc_fragment((block_m,), "int32")
             s_top = T.alloc_fragment((block_m,), "float32")
             t0, t_end, n_max = load_slab_rows(Q, Cos, Sin, Lse, q_s, q_lo, lse, b, h, bx, t_start, TS, top_shift)
+            load_chunk(TopK, kt_s, b, h, 0, NodesV, vt_s, top_off)
             for m in T.Parallel(block_m):
                 thr[m] = Thr[b, T.min(t0 + m // G, t_end - 1) - t_start, h]
             T.fill(s_part, 0.0)
             T.fill(acc_o, 0.0)
-            for c in T.serial(T.ceildiv(n_max, block_n)):
-                for j, d in T.Parallel(block_n, V):
-                    vt[j, d] = T.if_then_else(c * block_n + j < n_max,
-                                              NodesV[b, top_off + T.min(c * block_n + j, NT - 1), h, d],
-                                              T.cast(0.0, dtype))
-                chunk_scores(TopK, kt, k_s, k_lo, q_s, q_lo, acc_s, b, h, c, n_max)
+            nc = T.ceildiv(n_max, block_n)
+            for c in T.serial(nc):
+                await_chunk(TopK, kt_s, b, h, c, nc, NodesV, vt_s, top_off)
+                chunk_scores(kt_s, k_s, k_lo, q_s, q_lo, acc_s, c)
                 for m, j in T.Parallel(block_m, block_n):
                     # a non-winner of its query (the candidates past n have no key: masked by position)
                     tq = T.min(t0 + m // G, t_end - 1)
@@ -357,12 +382,14 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
                     pr = T.if_then_else(keep, T.exp2(acc_s[m, j] - lse[m]), 0.0)
                     s_part[m, j] += pr
                     put(pr, p_s, p_lo, m, j)
-                for j, d in T.Parallel(block_n, V):
-                    put(T.cast(vt[j, d], "float32"), v_s, v_lo, j, d)
-                T.gemm(p_s, v_s, acc_o)
                 if split:
+                    for j, d in T.Parallel(block_n, V):
+                        put(vt_s[c % 2, j, d], v_s, v_lo, j, d)
+                    T.gemm(p_s, v_s, acc_o)
                     T.gemm(p_s, v_lo, acc_o)
                     T.gemm(p_lo, v_s, acc_o)
+                else:
+                    T.gemm(p_s, vt_s[c % 2, :, :], acc_o)
             T.reduce_sum(s_part, s_top, dim=1, clear=True)
             # both parts against their common maximum
             for m, d in T.Parallel(block_m, V):
