@@ -20,7 +20,8 @@ Two kernels share that plan:
   the item's scalars (sequence, position, KV steps) to the others in shared memory with it; another
   warp loads whole pages of K and V by TMA (one copy per page, or `block_N` slice of a larger page,
   and 128-byte column band) into a ring of `num_stages` buffers, one full / free mbarrier pair per
-  buffer, running into the next item without waiting on anything but its ring; two consumer warpgroups (64 query rows each) issue the scores of KV tile j and the P @ V
+  buffer, running into the next item as soon as its Q tile has landed (its Q copies never wait on the
+  ring); two consumer warpgroups (64 query rows each) issue the scores of KV tile j and the P @ V
   product of tile j-1 together, so the softmax of tile j overlaps that product on the tensor cores.
   The causal mask is applied only to tiles that cross the diagonal. A full tile's O is staged in its
   Q buffer and stored by TMA (per-thread stores of the accumulator cost ~3 us per item).
@@ -53,6 +54,9 @@ _WS_PAGES_FROM = 16
 _WS_BLOCK_M = 128  # two consumer warpgroups of 64 query rows
 _WS_THREADS = 384  # producer warpgroup + 2 consumer warpgroups
 _WS_Q_WARP = 9  # the producer warp that loads Q tiles (warp 8 loads K and V; the K/V ring never waits on Q)
+# Slots of a work item's scalars in shared memory: the Q warp writes them, the K/V warp and the consumers
+# read them.
+_STEPS, _KV_LEN, _POS0, _Q_BEGIN, _Q0, _HEAD0, _ROWS, _SEQ = range(8)
 _WS_SMEM_LIMIT = 220 * 1024  # of the 227 KB a CTA may use; the rest is barriers and alignment
 
 
@@ -68,6 +72,11 @@ def head_pack(num_heads: int, num_kv_heads: int, block_M: int) -> int:
     return max(d for d in range(1, groups + 1) if groups % d == 0 and d <= max(1, block_M // 16))
 
 
+def tile_tokens(num_heads: int, num_kv_heads: int, block_M: int) -> int:
+    """New tokens per query tile (its block_M rows hold them times head_pack query heads)."""
+    return block_M // head_pack(num_heads, num_kv_heads, block_M)
+
+
 def warp_specialized(dtype: str, block_size: int) -> bool:
     """Which kernel serves a specialization (module docstring)."""
     return dtype != "float32" and block_size >= _WS_PAGES_FROM
@@ -81,7 +90,7 @@ class _TilePlan:
                  block_M, block_N):
         self.groups = num_heads // num_kv_heads
         self.pack = pack = head_pack(num_heads, num_kv_heads, block_M)
-        self.tokens = block_M // pack  # per tile; rows past tokens * pack are padding
+        self.tokens = tile_tokens(num_heads, num_kv_heads, block_M)  # rows past tokens * pack are padding
         self.block_N = block_N
         self.dims = T.dynamic("total_q, num_seqs, num_blocks, max_blocks, num_tiles")
         total_q, _, num_blocks, _, _ = self.dims
@@ -273,8 +282,9 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
         T.barrier_wait(q_free[qb], ring_phase(w, q_stages) ^ 1)
         plan.load_q_tma(Q, q_ring, q_full, qb, q_begin, q0, q_len, head0)
         if tx == _WS_Q_WARP * 32:
-            for i, v in enumerate((plan.kv_steps(busy, pos0, rows), kv_len, pos0, q_begin, q0, head0, rows, seq)):
-                item_s[qb, i] = v
+            for slot, v in ((_STEPS, plan.kv_steps(busy, pos0, rows)), (_KV_LEN, kv_len), (_POS0, pos0),
+                            (_Q_BEGIN, q_begin), (_Q0, q0), (_HEAD0, head0), (_ROWS, rows), (_SEQ, seq)):
+                item_s[qb, slot] = v
         T.barrier_arrive(q_full[qb])
 
     @T.prim_func
@@ -302,7 +312,7 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
             q_free = T.alloc_barrier([256] * q_stages)
             # The Q warp hands each item's scalars to the consumers and the K/V warp with its Q tile (their
             # global loads would otherwise stall them at every item start).
-            item_s = T.alloc_shared((q_stages, 8), "int32")
+            item_s = T.alloc_shared((q_stages, _SEQ + 1), "int32")
             steps = T.alloc_var("int32")
             kv_len = T.alloc_var("int32")
             pos0 = T.alloc_var("int32")
@@ -329,10 +339,10 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
                     for w in T.serial(items):
                         qb = ring_stage(w, q_stages)
                         T.barrier_wait(q_full[qb], ring_phase(w, q_stages))
-                        steps_p = item_s[qb, 0]
-                        kv_len_p = item_s[qb, 1]
-                        kv_head = item_s[qb, 5] // plan.groups
-                        seq = item_s[qb, 7]
+                        steps_p = item_s[qb, _STEPS]
+                        kv_len_p = item_s[qb, _KV_LEN]
+                        kv_head = item_s[qb, _HEAD0] // plan.groups
+                        seq = item_s[qb, _SEQ]
                         for kt in T.serial(steps_p):
                             st = ring_stage(step)
                             phase = ring_phase(step)
@@ -355,13 +365,13 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
                     T.fill(denom, 0)
                     T.fill(m_cur, -T.infinity(accum))
                     T.barrier_wait(q_full[qb], ring_phase(w, q_stages))
-                    steps = item_s[qb, 0]
-                    kv_len = item_s[qb, 1]
-                    pos0 = item_s[qb, 2]
-                    q_begin = item_s[qb, 3]
-                    q0 = item_s[qb, 4]
-                    head0 = item_s[qb, 5]
-                    rows = item_s[qb, 6]
+                    steps = item_s[qb, _STEPS]
+                    kv_len = item_s[qb, _KV_LEN]
+                    pos0 = item_s[qb, _POS0]
+                    q_begin = item_s[qb, _Q_BEGIN]
+                    q0 = item_s[qb, _Q0]
+                    head0 = item_s[qb, _HEAD0]
+                    rows = item_s[qb, _ROWS]
                     if use_alibi:
                         plan.load_slopes(AlibiSlopes, slope, head0)
                     for kt in T.serial(steps):
@@ -644,7 +654,7 @@ class PagedAttentionPrefillTileLang:
         self.kernel = compile_kernel(paged_prefill_kernel(**self.spec, **self.config),
                                      pass_configs={"tl.enable_fast_math": True})
         tile_m = self.config.get("block_M", _WS_BLOCK_M)
-        self.tile_tokens = tile_m // head_pack(num_heads, num_kv_heads, tile_m)
+        self.tile_tokens = tile_tokens(num_heads, num_kv_heads, tile_m)
         self.schedule_kernel = compile_kernel(paged_prefill_schedule_kernel(self.tile_tokens))
 
     # ------------------------------------------------------------------ checks
