@@ -25,10 +25,12 @@ parents (candidate buffers are in ascending node order, so the parents stay sort
 merged into the per-head online softmax with V, against one reference per layer (lse bounds every
 score, so no per-chunk maximum). Layer 0 merges all with a running maximum. The walk's state (U, m, S
 per head) goes to the top-merge kernel, which adds the top layer's non-winners (against their lse) and
-normalizes. The walk is latency-bound (dependent gathers and barriers per chunk); see docs/perf.md.
+normalizes. The walk's chunks are bound by L1 / shared-memory traffic (gathers, operand stores and the
+mma operand loads; ncu at the fp32 bench shape: L1/TEX 82% of peak, L2 hits 92%); see docs/perf.md.
 
 fp32 inputs use split-TF32 products (hi*hi + hi*lo + lo*hi), close to fp32 accuracy so selections match
-an fp32 reference; fp16/bf16 inputs use one 16-bit product with fp32 accumulation.
+an fp32 reference; fp16/bf16 inputs use one 16-bit product with fp32 accumulation. The top-layer kernels'
+64-row tiles run them as warpgroup (wgmma) products; the walk's 16-row tiles as mma.sync.
 
 Memory: the tree above layer 0, sum_{l>=1} N_l ~ T / (r - 1) nodes of K and V per (batch, kv head) in
 the input dtype, the rotated top layer (<= max_top_nodes rows of K per (batch, kv head)), RoPE tables of
@@ -236,8 +238,11 @@ def _top_layer_macros(num_heads: int, num_kv_heads: int, head_dim: int, scale: f
 
     @T.macro
     def alloc_operand(shape):
-        """An mma operand's shared tile and the tile of its split-TF32 low halves (fp32; else a stub)."""
-        return T.alloc_shared(shape, dtype), T.alloc_shared(shape if split else (1, 1), dtype)
+        """An mma operand's shared tile and the tile of its split-TF32 low halves (fp32; else a stub). fp32
+        halves are typed TF32, which TileLang multiplies with wgmma (warpgroup products reading shared
+        memory once per warpgroup; fp32 tiles get mma.sync, whose warps each load the whole B tile)."""
+        cdt = T.tfloat32 if split else dtype
+        return T.alloc_shared(shape, cdt), T.alloc_shared(shape if split else (1, 1), cdt)
 
     @T.macro
     def alloc_scores():
@@ -356,7 +361,8 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
                         top_shift: T.int32, t_start: T.int32, top_off: T.int32):
         with T.Kernel(T.ceildiv(TS, bt), Hkv, B, threads=threads) as (bx, h, b):
             q_s, q_lo, k_s, k_lo, kt_s, acc_s = alloc_scores()
-            v_s, v_lo = alloc_operand((block_n, V) if split else (1, 1))
+            # V as [V, block_n]: a TF32 wgmma takes its B operand K-major only
+            v_s, v_lo = alloc_operand((V, block_n) if split else (1, 1))
             p_s, p_lo = alloc_operand((block_m, block_n))
             vt_s = T.alloc_shared((2, block_n, V), dtype)
             s_part = T.alloc_fragment((block_m, block_n), "float32")
@@ -384,10 +390,10 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
                     put(pr, p_s, p_lo, m, j)
                 if split:
                     for j, d in T.Parallel(block_n, V):
-                        put(vt_s[c % 2, j, d], v_s, v_lo, j, d)
-                    T.gemm(p_s, v_s, acc_o)
-                    T.gemm(p_s, v_lo, acc_o)
-                    T.gemm(p_lo, v_s, acc_o)
+                        put(vt_s[c % 2, j, d], v_s, v_lo, d, j)
+                    T.gemm(p_s, v_s, acc_o, transpose_B=True)
+                    T.gemm(p_s, v_lo, acc_o, transpose_B=True)
+                    T.gemm(p_lo, v_s, acc_o, transpose_B=True)
                 else:
                     T.gemm(p_s, vt_s[c % 2, :, :], acc_o)
             T.reduce_sum(s_part, s_top, dim=1, clear=True)
