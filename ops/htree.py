@@ -828,8 +828,8 @@ class HTreeForwardTileLang:
                                                      _DTYPES[dtype]))
         self.rope = compile_kernel(htree_rope_kernel(num_kv_heads, head_dim, _DTYPES[dtype]))
         # fp32 chunks take 4x the shared memory of 16-bit ones (TF32 halves of fp32 values): the lse and
-        # merge kernels take 32-node chunks so that 3 CTAs share an SM (H100, (a): lse 42.0 -> 38.5 ms, merge
-        # 127.4 -> 110.0; the keys kernel prefers 64: 44.9 -> 51.2).
+        # merge kernels take 32-node chunks so that more CTAs share an SM (merge: 3 instead of 2; H100, (a):
+        # lse 42.0 -> 38.5 ms, merge 127.4 -> 110.0; the keys kernel prefers 64: 44.9 -> 51.2).
         top_chunk = {"block_n": 32} if dtype == torch.float32 else {}
         self.top_lse = compile_kernel(htree_top_lse_kernel(num_heads, num_kv_heads, head_dim, self.scale,
                                                            _DTYPES[dtype], **top_chunk))
