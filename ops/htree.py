@@ -771,6 +771,14 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     return htree_fwd
 
 
+# Nodes per chunk of each top-layer kernel, for fp32 (True) and 16-bit inputs: smaller chunks let more CTAs
+# share an SM (an fp32 chunk takes 4x the shared memory of a 16-bit one: TF32 halves), larger ones
+# amortize the per-chunk work. Same-process H100 A/Bs of 64 vs 32 (ms): fp32 (a) lse 42.0 / 38.5, keys
+# 44.9 / 51.2, merge 127.4 / 110.0 (3 CTAs per SM instead of 2); bf16 (b) 128K lse 21.4 / 18.7, keys
+# 36.3 / 25.5, merge 51.3 / 61.9.
+_TOP_CHUNK = {True: dict(lse=32, keys=64, merge=32), False: dict(lse=32, keys=32, merge=64)}
+
+
 class HTreeForwardTileLang:
     """``op(q, k, v, return_selection=False)``: q [B,T,H,K], k [B,T,Hkv,K], v [B,T,Hkv,V] -> o [B,T,H,V]
     (q's dtype); with ``return_selection`` also the list of layer l >= 1 selections (entry l-1),
@@ -827,17 +835,14 @@ class HTreeForwardTileLang:
         self.pool = compile_kernel(htree_pool_kernel(num_kv_heads, head_dim, v_head_dim, compression_rate,
                                                      _DTYPES[dtype]))
         self.rope = compile_kernel(htree_rope_kernel(num_kv_heads, head_dim, _DTYPES[dtype]))
-        # fp32 chunks take 4x the shared memory of 16-bit ones (TF32 halves of fp32 values): the lse and
-        # merge kernels take 32-node chunks so that more CTAs share an SM (merge: 3 instead of 2; H100, (a):
-        # lse 42.0 -> 38.5 ms, merge 127.4 -> 110.0; the keys kernel prefers 64: 44.9 -> 51.2).
-        top_chunk = {"block_n": 32} if dtype == torch.float32 else {}
+        chunk = _TOP_CHUNK[dtype == torch.float32]
         self.top_lse = compile_kernel(htree_top_lse_kernel(num_heads, num_kv_heads, head_dim, self.scale,
-                                                           _DTYPES[dtype], **top_chunk))
+                                                           _DTYPES[dtype], block_n=chunk["lse"]))
         self.top_keys = compile_kernel(htree_top_keys_kernel(num_heads, num_kv_heads, head_dim, compression_rate,
                                                              top_k_per_layer, max_top_nodes, self.scale,
-                                                             _DTYPES[dtype]))
+                                                             _DTYPES[dtype], block_n=chunk["keys"]))
         self.top_merge = compile_kernel(htree_top_merge_kernel(num_heads, num_kv_heads, head_dim, v_head_dim,
-                                                               self.scale, _DTYPES[dtype], **top_chunk))
+                                                               self.scale, _DTYPES[dtype], block_n=chunk["merge"]))
         self.kernel = compile_kernel(htree_fwd_kernel(**self.spec, **self.config))
         self._tables = {}
 
