@@ -115,6 +115,14 @@ def _operand_stores(dtype: str, half: int):
 
 
 @T.macro
+def _split_product(a_s, a_lo, b_s, b_lo, acc):
+    """acc += a @ b^T from split-TF32 halves (hi*hi + hi*lo + lo*hi)."""
+    T.gemm(a_s, b_s, acc, transpose_B=True)
+    T.gemm(a_s, b_lo, acc, transpose_B=True)
+    T.gemm(a_lo, b_s, acc, transpose_B=True)
+
+
+@T.macro
 def _lse_update(m_part, l_part, i, j, s):
     """Fold score s (log2 domain, <= _NEG: none) into the per-element partial max / sum of exp2."""
     mx = T.max(m_part[i, j], s)
@@ -230,9 +238,7 @@ def _top_layer_macros(num_heads: int, num_kv_heads: int, head_dim: int, scale: f
         if split:
             for j, d in T.Parallel(block_n, head_dim):
                 put(kt_s[c % 2, j, d], k_s, k_lo, j, d)
-            T.gemm(q_s, k_s, acc_s, transpose_B=True)
-            T.gemm(q_s, k_lo, acc_s, transpose_B=True)
-            T.gemm(q_lo, k_s, acc_s, transpose_B=True)
+            _split_product(q_s, q_lo, k_s, k_lo, acc_s)
         else:
             T.gemm(q_s, kt_s[c % 2, :, :], acc_s, transpose_B=True)
 
@@ -391,9 +397,7 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
                 if split:
                     for j, d in T.Parallel(block_n, V):
                         put(vt_s[c % 2, j, d], v_s, v_lo, d, j)
-                    T.gemm(p_s, v_s, acc_o, transpose_B=True)
-                    T.gemm(p_s, v_lo, acc_o, transpose_B=True)
-                    T.gemm(p_lo, v_s, acc_o, transpose_B=True)
+                    _split_product(p_s, p_lo, v_s, v_lo, acc_o)
                 else:
                     T.gemm(p_s, vt_s[c % 2, :, :], acc_o)
             T.reduce_sum(s_part, s_top, dim=1, clear=True)
