@@ -30,7 +30,8 @@ mma operand loads; ncu at the fp32 bench shape: L1/TEX 82% of peak, L2 hits 92%)
 
 fp32 inputs use split-TF32 products (hi*hi + hi*lo + lo*hi), close to fp32 accuracy so selections match
 an fp32 reference; fp16/bf16 inputs use one 16-bit product with fp32 accumulation. The top-layer kernels'
-64-row tiles run them as warpgroup (wgmma) products; the walk's 16-row tiles as mma.sync.
+64-row tiles run them as warpgroup (wgmma) products; the walk's 16-row tiles as mma.sync, except the fp32
+walk's layer 0 (K, V <= 64), which merges in exact fp32 FMAs on the CUDA cores (``merge_layer0_fma``).
 
 Memory: the tree above layer 0, sum_{l>=1} N_l ~ T / (r - 1) nodes of K and V per (batch, kv head) in
 the input dtype, the rotated top layer (<= max_top_nodes rows of K per (batch, kv head)), RoPE tables of
@@ -428,6 +429,11 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     nbuf = 1 << log_n  # every candidate buffer position is below this
     pos_mask = nbuf - 1
     split = dtype == "float32"  # split-TF32 products
+    # fp32 layer 0 on the CUDA cores (merge_layer0_fma): exact fp32 FMAs instead of three split-TF32
+    # mma.sync products per chunk, whose 16-row tiles load every operand once per warp (walk 7% faster at
+    # the fp32 bench shape, H100).
+    fma0 = split and K <= 64 and V <= 64 and threads == 128 and block_n % 4 == 0
+    KH, VH, JPT = K // 2, V // 2, block_n // 4  # per lane: halves of q and of O, scores per chunk
     # chunk_rope (16-bit inputs): below the top, candidate p = c0 + j is rotated at j (table entries fixed
     # per thread, loaded once) and the query at n - 1 - c0 once per chunk, instead of loading the table
     # rows of every p. Exact in real arithmetic, but the composed angles round differently from the
@@ -535,6 +541,89 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
         for g in T.Parallel(GP):
             m_run[g] = m_new[g]
 
+    @T.macro
+    def merge_layer0_fma(Kt, Vt, Cos, Sin, parents, kx, ky, kc, ks, vx, k_s, v_f, q_s, q_lo, red, o_sh,
+                         acc_o, s_part, m_run, lse, q_reg, s_loc, o_reg, st, tx, b, h, n, n_par, chunks):
+        """Layer 0 (merge everything, running maximum) in fp32 on the CUDA cores. Lane (dh, g) of warp w
+        holds half dh of head g's rotated query and scores candidates w + 4 i of each chunk over that half
+        (the halves meet by a shuffle), so a warp reads one K row per load, without bank conflicts. P stays
+        in registers: the warp accumulates its own partial O[g, half dh of V] over its candidates. The
+        four warps share each chunk's per-head maximum through `red` and their partials are summed once,
+        in a fixed order. The mma fragments' state comes in and goes back out through `o_sh` / `red`.
+        `st` holds the lane's running maximum, partial sum, chunk maximum and rescale factor."""
+        g = tx % 16
+        dh = tx % 32 // 16
+        w = tx // 32
+        m_thr, l_thr, cmax, alpha = 0, 1, 2, 3
+        T.reduce_sum(s_part, lse, dim=1, clear=True)
+        T.copy(acc_o, o_sh)
+        for i in T.Parallel(GP):
+            red[0, i] = m_run[i]
+            red[1, i] = lse[i]
+        T.sync_threads()
+        for d in T.unroll(KH):  # the split halves add up to the fp32 query exactly
+            q_reg[d] = q_s[g, dh * KH + d] + q_lo[g, dh * KH + d]
+        for e in T.unroll(VH):  # warp 0 carries the layers above; the others start empty
+            o_reg[e] = T.if_then_else(w == 0, o_sh[g, dh * VH + e], 0.0)
+        st[m_thr] = red[0, g]
+        st[l_thr] = T.if_then_else(w == 0, red[1, g], 0.0)
+        T.sync_threads()
+
+        gather_pairs(Kt, Tn, 0, Cos, Sin, parents, kx, ky, kc, ks, b, h, 0, n, n_par)
+        for c in T.serial(chunks):
+            for j, i in T.Parallel(block_n, half):
+                x = T.cast(kx[j, i], "float32")
+                y = T.cast(ky[j, i], "float32")
+                k_s[j, i] = x * kc[j, i] - y * ks[j, i]
+                k_s[j, i + half] = x * ks[j, i] + y * kc[j, i]
+            # this chunk's V and the next chunk's K fly during the scores (past the last: none)
+            gather_rows(Vt, Tn, 0, parents, vx, b, h, c * block_n, n, n_par)
+            gather_pairs(Kt, Tn, 0, Cos, Sin, parents, kx, ky, kc, ks, b, h, (c + 1) * block_n, n, n_par)
+            T.sync_threads()
+            for i in T.unroll(JPT):
+                s_loc[i] = 0.0
+                for d in T.unroll(KH):
+                    s_loc[i] += q_reg[d] * k_s[w + 4 * i, dh * KH + d]
+            st[cmax] = _NEG
+            for i in T.unroll(JPT):
+                s_loc[i] += T.shfl_xor(s_loc[i], 16)
+                s_loc[i] = T.if_then_else(c * block_n + w + 4 * i < n, s_loc[i], _NEG)
+                st[cmax] = T.max(st[cmax], s_loc[i])
+            for j, d in T.Parallel(block_n, V):  # every warp is past the previous chunk's P @ V
+                v_f[j, d] = T.cast(vx[j, d], "float32")
+            if dh == 0:
+                red[w, g] = st[cmax]
+            T.sync_threads()
+            st[cmax] = T.max(T.max(T.max(red[0, g], red[1, g]), T.max(red[2, g], red[3, g])), st[m_thr])
+            st[alpha] = T.exp2(st[m_thr] - st[cmax])
+            st[m_thr] = st[cmax]
+            st[l_thr] *= st[alpha]
+            for e in T.unroll(VH):
+                o_reg[e] *= st[alpha]
+            for i in T.unroll(JPT):
+                s_loc[i] = T.if_then_else(s_loc[i] <= _NEG, 0.0, T.exp2(s_loc[i] - st[m_thr]))
+                st[l_thr] += s_loc[i]
+                for e in T.unroll(VH):
+                    o_reg[e] += s_loc[i] * v_f[w + 4 * i, dh * VH + e]
+
+        # the warps' partials, summed in a fixed order, back into the fragments
+        T.sync_threads()
+        for ww in T.serial(4):
+            if w == ww:
+                for e in T.unroll(VH):
+                    o_sh[g, dh * VH + e] = o_reg[e] + T.if_then_else(ww == 0, 0.0, o_sh[g, dh * VH + e])
+            T.sync_threads()
+        if dh == 0:
+            red[w, g] = st[l_thr]
+            if w == 0:
+                red[4, g] = st[m_thr]
+        T.sync_threads()
+        T.copy(o_sh, acc_o)
+        for i in T.Parallel(GP):
+            m_run[i] = red[4, i]
+        for i, j in T.Parallel(GP, block_n):
+            s_part[i, j] = T.if_then_else(j == 0, (red[0, i] + red[1, i]) + (red[2, i] + red[3, i]), 0.0)
+
     @T.prim_func
     def htree_fwd(
         Q: T.Tensor((B, Tn, H, K), dtype),
@@ -574,6 +663,9 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             v_s = k_s if K == V else T.alloc_shared((block_n, V), cdt)
             v_lo = k_lo if K == V else T.alloc_shared((block_n, V) if split else (1, 1), cdt)
             prob_s = T.alloc_shared((GP, block_n), "float32")
+            # merge_layer0_fma's exchanges: O, and per warp the heads' maxima / sums
+            o_sh = T.alloc_shared((GP, V) if fma0 else (1, 1), "float32")
+            red = T.alloc_shared((5, GP) if fma0 else (1, 1), "float32")
             keys = T.alloc_shared((nbuf,), "int32")
             parents = T.alloc_shared((top_k,), "int32")
             chosen = T.alloc_shared((top_k,), "int32")
@@ -596,6 +688,11 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             m_run = T.alloc_fragment((GP,), "float32")
             m_new = T.alloc_fragment((GP,), "float32")
             lse = T.alloc_fragment((GP,), "float32")
+            # merge_layer0_fma's per-lane state
+            q_reg = T.alloc_local((KH,), "float32")
+            s_loc = T.alloc_local((JPT,), "float32")
+            o_reg = T.alloc_local((VH,), "float32")
+            fma_st = T.alloc_local((4,), "float32")
 
             n = T.alloc_var("int32")  # candidates of this layer
             n_par = T.alloc_var("int32")  # parents expanded into this layer
@@ -723,7 +820,11 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                             m_new[g] = T.max(m_run[g], lse[g])
                         rescale(acc_o, s_part, m_run, m_new)
                 # (3) merge the non-winners (layer 0: everything) into the online softmax
-                if l == 0 or (n > top_k and l < num_layers - 1):
+                if fma0 and l == 0 and num_layers > 1:  # (a single layer reads the pre-rotated top rows)
+                    merge_layer0_fma(Kt, Vt, Cos, Sin, parents, kx, ky, kc, ks, vx, k_s, v_lo, q_s, q_lo, red,
+                                     o_sh, acc_o, s_part, m_run, lse, q_reg, s_loc, o_reg, fma_st, tx, b,
+                                     h, n, n_par, chunks)
+                elif l == 0 or (n > top_k and l < num_layers - 1):
                     gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
                              0, off, n, n_par)
                     for c in T.serial(chunks):

@@ -14,6 +14,9 @@ CASES = [
     (torch.bfloat16, 8, 2, 32, 64, 4, 4, 16, 300),
     (torch.float32, 32, 2, 64, 32, 8, 16, 64, 2001),
     (torch.bfloat16, 2, 2, 128, 128, 16, 32, 512, 5003),
+    # K = V = 32 in fp32: layer 0 on the CUDA cores (merge_layer0_fma), after layers on the tensor cores
+    (torch.float32, 16, 1, 32, 32, 4, 8, 32, 777),
+    (torch.float32, 8, 2, 32, 32, 4, 4, 16, 300),
 ]
 TOL = {torch.float32: dict(atol=1e-4, rtol=2e-5), torch.bfloat16: dict(atol=6e-2, rtol=1e-2)}
 
