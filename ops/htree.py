@@ -9,7 +9,8 @@ Kernels:
     query head's log-sum-exp over it, ``htree_top_keys_kernel`` every query's packed importance keys,
     and, after the walk, ``htree_top_merge_kernel`` merges the top layer's non-winners and writes O (each
     streams the top layer in chunks staged by cp.async one chunk ahead, so a chunk's loads overlap the
-    previous chunk's products);
+    previous chunk's products; fp32 K and V are split into TF32 halves once per call, ``_split_tf32``, so
+    the chunks land as the products' operand tiles);
   - ``htree_fwd_kernel`` walks the rest of one (b, t, kv head) row in one CTA: the top layer's top-k from
     its keys, then every lower layer, fused, so the selected parents of a layer live in shared memory.
 
@@ -34,7 +35,8 @@ an fp32 reference; fp16/bf16 inputs use one 16-bit product with fp32 accumulatio
 walk's layer 0 (K, V <= 64), which merges in exact fp32 FMAs on the CUDA cores (``merge_layer0_fma``).
 
 Memory: the tree above layer 0, sum_{l>=1} N_l ~ T / (r - 1) nodes of K and V per (batch, kv head) in
-the input dtype, the rotated top layer (<= max_top_nodes rows of K per (batch, kv head)), RoPE tables of
+the input dtype, the rotated top layer (<= max_top_nodes rows of K per (batch, kv head); fp32 also its K
+and V in TF32 halves, 2 (K + V) x 4 bytes per node), RoPE tables of
 max(max_top_nodes, top_k * r) x K/2 fp32 pairs and the top layer's lse [B, T, H] fp32. The queries go
 through the top-layer kernels and the walk in slabs, sized so that a slab's packed keys
 [B, slab, Hkv, N_top] int32 take at most 256 MiB; per slab also the walk's state [B, slab, H, V + 2]
@@ -180,6 +182,12 @@ def htree_rope_kernel(num_kv_heads: int, head_dim: int, dtype: str, block_i: int
     return htree_rope
 
 
+def _top_operand(B, Hkv, NT, K, dtype: str):
+    """Shape and dtype of the top-layer kernels' K operand: the rotated rows [B, Hkv, NT, K], or for fp32 their
+    TF32 halves [2, B, Hkv, NT, K] (``_split_tf32``), loaded straight into the products' operand tiles."""
+    return ((2, B, Hkv, NT, K), T.tfloat32) if dtype == "float32" else ((B, Hkv, NT, K), dtype)
+
+
 def _top_layer_macros(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: str,
                       block_m: int, block_n: int):
     """What the top-layer kernels share. Every query's top-layer candidates are the same nodes at the
@@ -215,31 +223,38 @@ def _top_layer_macros(num_heads: int, num_kv_heads: int, head_dim: int, scale: f
         return t0, t_end, (T.min(t0 + bt, t_end) - 1 >> top_shift) + 1
 
     @T.macro
-    def load_chunk(TopK, kt_s, b, h, c, NodesV=None, vt_s=None, top_off=None):
+    def load_chunk(TopK, kt_s, b, h, c, TopV=None, vt_s=None, top_off=None):
         """Chunk c's rotated top-layer K (and V) into stage c % 2 by cp.async, rows past the buffers as
-        zeros (the callers mask candidates past a query's n by position)."""
-        T.async_copy(TopK[b, h, c * block_n:(c + 1) * block_n, :], kt_s[c % 2, :, :])
-        if NodesV is not None:
-            T.async_copy(NodesV[b, top_off + c * block_n:top_off + (c + 1) * block_n, h, :], vt_s[c % 2, :, :])
+        zeros (the callers mask candidates past a query's n by position). fp32: both TF32 halves of K
+        ([2, B, Hkv, NT, K]) and of V transposed ([2, B, Hkv, V, chunks * block_n]), split once per call
+        (``_split_tf32``); 16-bit: K rows, and V rows of the tree's top layer (from row top_off)."""
+        nodes = slice(c * block_n, (c + 1) * block_n)
+        if split:
+            for part in range(2):
+                T.async_copy(TopK[part, b, h, nodes, :], kt_s[c % 2, part, :, :])
+                if TopV is not None:
+                    T.async_copy(TopV[part, b, h, :, nodes], vt_s[c % 2, part, :, :])
+        else:
+            T.async_copy(TopK[b, h, nodes, :], kt_s[c % 2, :, :])
+            if TopV is not None:
+                T.async_copy(TopV[b, top_off + c * block_n:top_off + (c + 1) * block_n, h, :], vt_s[c % 2, :, :])
 
     @T.macro
-    def await_chunk(TopK, kt_s, b, h, c, nc, NodesV=None, vt_s=None, top_off=None):
+    def await_chunk(TopK, kt_s, b, h, c, nc, TopV=None, vt_s=None, top_off=None):
         """Chunk c's copies landed (for all threads), chunk c + 1's issued: its loads overlap chunk c's math."""
         if c + 1 < nc:
-            load_chunk(TopK, kt_s, b, h, c + 1, NodesV, vt_s, top_off)
-            T.ptx_wait_group(1 if NodesV is None else 2)
+            load_chunk(TopK, kt_s, b, h, c + 1, TopV, vt_s, top_off)
+            T.ptx_wait_group((1 if TopV is None else 2) * (2 if split else 1))
         else:
             T.ptx_wait_group(0)
         T.sync_threads()
 
     @T.macro
-    def chunk_scores(kt_s, k_s, k_lo, q_s, q_lo, acc_s, c):
+    def chunk_scores(kt_s, q_s, q_lo, acc_s, c):
         """acc_s[m, j] = log2-domain score of row m against top node c * block_n + j (its K in kt_s[c % 2])."""
         T.clear(acc_s)
         if split:
-            for j, d in T.Parallel(block_n, head_dim):
-                put(kt_s[c % 2, j, d], k_s, k_lo, j, d)
-            _split_product(q_s, q_lo, k_s, k_lo, acc_s)
+            _split_product(q_s, q_lo, kt_s[c % 2, 0, :, :], kt_s[c % 2, 1, :, :], acc_s)
         else:
             T.gemm(q_s, kt_s[c % 2, :, :], acc_s, transpose_B=True)
 
@@ -252,16 +267,19 @@ def _top_layer_macros(num_heads: int, num_kv_heads: int, head_dim: int, scale: f
         return T.alloc_shared(shape, cdt), T.alloc_shared(shape if split else (1, 1), cdt)
 
     @T.macro
-    def alloc_scores():
-        """chunk_scores' buffers (q_s, q_lo, k_s, k_lo, kt_s, acc_s); 16-bit products read the staged K."""
-        q_s, q_lo = alloc_operand((block_m, head_dim))
-        k_s, k_lo = alloc_operand((block_n, head_dim) if split else (1, 1))
-        kt_s = T.alloc_shared((2, block_n, head_dim), dtype)
-        acc_s = T.alloc_fragment((block_m, block_n), "float32")
-        return q_s, q_lo, k_s, k_lo, kt_s, acc_s
+    def alloc_stages(shape):
+        """Two cp.async stages of a chunk's operand tile (fp32: its TF32 halves side by side)."""
+        return T.alloc_shared((2, 2) + shape, T.tfloat32) if split else T.alloc_shared((2,) + shape, dtype)
 
-    return (G, bt, put, alloc_operand, alloc_scores, load_queries, load_slab_rows, load_chunk, await_chunk,
-            chunk_scores)
+    @T.macro
+    def alloc_scores():
+        """chunk_scores' buffers (q_s, q_lo, kt_s, acc_s): the products read the staged K (fp32: its halves)."""
+        q_s, q_lo = alloc_operand((block_m, head_dim))
+        acc_s = T.alloc_fragment((block_m, block_n), "float32")
+        return q_s, q_lo, alloc_stages((block_n, head_dim)), acc_s
+
+    return (G, bt, put, alloc_operand, alloc_scores, alloc_stages, load_queries, load_slab_rows, load_chunk,
+            await_chunk, chunk_scores)
 
 
 def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, dtype: str,
@@ -269,16 +287,17 @@ def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale
     """Lse[b, t, h]: log2-domain log-sum-exp of query head h's scores over the top layer (for L > 1),
     the softmax reference of the top layer's importance and merge."""
     H, Hkv, K = num_heads, num_kv_heads, head_dim
-    G, bt, _, _, alloc_scores, load_queries, _, load_chunk, await_chunk, chunk_scores = _top_layer_macros(
+    G, bt, _, _, alloc_scores, _, load_queries, _, load_chunk, await_chunk, chunk_scores = _top_layer_macros(
         H, Hkv, K, scale, dtype, block_m, block_n)
     B, Tn, NT, NC = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC")
+    top_k_shape, top_dtype = _top_operand(B, Hkv, NT, K, dtype)
 
     @T.prim_func
-    def htree_top_lse(Q: T.Tensor((B, Tn, H, K), dtype), TopK: T.Tensor((B, Hkv, NT, K), dtype),
+    def htree_top_lse(Q: T.Tensor((B, Tn, H, K), dtype), TopK: T.Tensor(top_k_shape, top_dtype),
                       Cos: T.Tensor((NC, K // 2), "float32"), Sin: T.Tensor((NC, K // 2), "float32"),
                       Lse: T.Tensor((B, Tn, H), "float32"), top_shift: T.int32):
         with T.Kernel(T.ceildiv(Tn, bt), Hkv, B, threads=threads) as (bx, h, b):
-            q_s, q_lo, k_s, k_lo, kt_s, acc_s = alloc_scores()
+            q_s, q_lo, kt_s, acc_s = alloc_scores()
             m_part = T.alloc_fragment((block_m, block_n), "float32")
             l_part = T.alloc_fragment((block_m, block_n), "float32")
             m_row = T.alloc_fragment((block_m,), "float32")
@@ -293,7 +312,7 @@ def htree_top_lse_kernel(num_heads: int, num_kv_heads: int, head_dim: int, scale
             T.fill(l_part, 0.0)
             for c in T.serial(nc):
                 await_chunk(TopK, kt_s, b, h, c, nc)
-                chunk_scores(kt_s, k_s, k_lo, q_s, q_lo, acc_s, c)
+                chunk_scores(kt_s, q_s, q_lo, acc_s, c)
                 for m, j in T.Parallel(block_m, block_n):
                     _lse_update(m_part, l_part, m, j,
                                 T.if_then_else(c * block_n + j <= (T.min(t0 + m // G, Tn - 1) >> top_shift),
@@ -313,19 +332,20 @@ def htree_top_keys_kernel(num_heads: int, num_kv_heads: int, head_dim: int, comp
     [t_start, t_start + TS): fp32 importance sum_g exp2(s_gp - lse_g) (subnormal terms flushed, heads summed
     in order, the rightmost node's 1e3) with its low LOG_N bits replaced by ~p."""
     H, Hkv, K = num_heads, num_kv_heads, head_dim
-    G, bt, _, _, alloc_scores, _, load_slab_rows, load_chunk, await_chunk, chunk_scores = _top_layer_macros(
+    G, bt, _, _, alloc_scores, _, _, load_slab_rows, load_chunk, await_chunk, chunk_scores = _top_layer_macros(
         H, Hkv, K, scale, dtype, block_m, block_n)
     pos_mask = (1 << pack_bits(compression_rate, top_k, max_top_nodes)) - 1
     B, Tn, NT, NC = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC")
     TS, NK = T.dynamic("TS"), T.dynamic("NK")
+    top_k_shape, top_dtype = _top_operand(B, Hkv, NT, K, dtype)
 
     @T.prim_func
-    def htree_top_keys(Q: T.Tensor((B, Tn, H, K), dtype), TopK: T.Tensor((B, Hkv, NT, K), dtype),
+    def htree_top_keys(Q: T.Tensor((B, Tn, H, K), dtype), TopK: T.Tensor(top_k_shape, top_dtype),
                        Cos: T.Tensor((NC, K // 2), "float32"), Sin: T.Tensor((NC, K // 2), "float32"),
                        Lse: T.Tensor((B, Tn, H), "float32"), Keys: T.Tensor((B, TS, Hkv, NK), "int32"),
                        top_shift: T.int32, t_start: T.int32):
         with T.Kernel(T.ceildiv(TS, bt), Hkv, B, threads=threads) as (bx, h, b):
-            q_s, q_lo, k_s, k_lo, kt_s, acc_s = alloc_scores()
+            q_s, q_lo, kt_s, acc_s = alloc_scores()
             prob_s = T.alloc_shared((block_m, block_n), "float32")
             lse = T.alloc_fragment((block_m,), "float32")
             t0, t_end, n_max = load_slab_rows(Q, Cos, Sin, Lse, q_s, q_lo, lse, b, h, bx, t_start, TS, top_shift)
@@ -333,7 +353,7 @@ def htree_top_keys_kernel(num_heads: int, num_kv_heads: int, head_dim: int, comp
             load_chunk(TopK, kt_s, b, h, 0)
             for c in T.serial(nc):
                 await_chunk(TopK, kt_s, b, h, c, nc)
-                chunk_scores(kt_s, k_s, k_lo, q_s, q_lo, acc_s, c)
+                chunk_scores(kt_s, q_s, q_lo, acc_s, c)
                 for m, j in T.Parallel(block_m, block_n):
                     pr = T.exp2(acc_s[m, j] - lse[m])
                     prob_s[m, j] = T.if_then_else(pr < _FLT_MIN, 0.0, pr)
@@ -352,41 +372,42 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
     merged against the lse reference, combined with the walk's state of the layers below (PartO
     unnormalized against PartML's maximum, PartML's sum)."""
     H, Hkv, K, V = num_heads, num_kv_heads, head_dim, v_head_dim
-    G, bt, put, alloc_operand, alloc_scores, _, load_slab_rows, load_chunk, await_chunk, chunk_scores = (
-        _top_layer_macros(H, Hkv, K, scale, dtype, block_m, block_n))
+    G, bt, put, alloc_operand, alloc_scores, alloc_stages, _, load_slab_rows, load_chunk, await_chunk, \
+        chunk_scores = _top_layer_macros(H, Hkv, K, scale, dtype, block_m, block_n)
     split = dtype == "float32"
     B, Tn, NT, NC, NN = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NC"), T.dynamic("NN")
-    TS, NK = T.dynamic("TS"), T.dynamic("NK")
+    TS, NK, NTC = T.dynamic("TS"), T.dynamic("NK"), T.dynamic("NTC")
+    top_k_shape, top_dtype = _top_operand(B, Hkv, NT, K, dtype)
+    # fp32: the top layer's V transposed in TF32 halves, padded to whole chunks; 16-bit: the tree's V rows
+    top_v_shape = (2, B, Hkv, V, NTC * block_n) if split else (B, NN, Hkv, V)
 
     @T.prim_func
-    def htree_top_merge(Q: T.Tensor((B, Tn, H, K), dtype), TopK: T.Tensor((B, Hkv, NT, K), dtype),
-                        NodesV: T.Tensor((B, NN, Hkv, V), dtype),
+    def htree_top_merge(Q: T.Tensor((B, Tn, H, K), dtype), TopK: T.Tensor(top_k_shape, top_dtype),
+                        TopV: T.Tensor(top_v_shape, top_dtype),
                         Cos: T.Tensor((NC, K // 2), "float32"), Sin: T.Tensor((NC, K // 2), "float32"),
                         Lse: T.Tensor((B, Tn, H), "float32"), Keys: T.Tensor((B, TS, Hkv, NK), "int32"),
                         Thr: T.Tensor((B, TS, Hkv), "int32"), PartO: T.Tensor((B, TS, H, V), "float32"),
                         PartML: T.Tensor((B, TS, H, 2), "float32"), O: T.Tensor((B, Tn, H, V), dtype),
                         top_shift: T.int32, t_start: T.int32, top_off: T.int32):
         with T.Kernel(T.ceildiv(TS, bt), Hkv, B, threads=threads) as (bx, h, b):
-            q_s, q_lo, k_s, k_lo, kt_s, acc_s = alloc_scores()
-            # V as [V, block_n]: a TF32 wgmma takes its B operand K-major only
-            v_s, v_lo = alloc_operand((V, block_n) if split else (1, 1))
+            q_s, q_lo, kt_s, acc_s = alloc_scores()
             p_s, p_lo = alloc_operand((block_m, block_n))
-            vt_s = T.alloc_shared((2, block_n, V), dtype)
+            vt_s = alloc_stages((V, block_n) if split else (block_n, V))  # a TF32 wgmma takes B K-major only
             s_part = T.alloc_fragment((block_m, block_n), "float32")
             acc_o = T.alloc_fragment((block_m, V), "float32")
             lse = T.alloc_fragment((block_m,), "float32")
             thr = T.alloc_fragment((block_m,), "int32")
             s_top = T.alloc_fragment((block_m,), "float32")
             t0, t_end, n_max = load_slab_rows(Q, Cos, Sin, Lse, q_s, q_lo, lse, b, h, bx, t_start, TS, top_shift)
-            load_chunk(TopK, kt_s, b, h, 0, NodesV, vt_s, top_off)
+            load_chunk(TopK, kt_s, b, h, 0, TopV, vt_s, top_off)
             for m in T.Parallel(block_m):
                 thr[m] = Thr[b, T.min(t0 + m // G, t_end - 1) - t_start, h]
             T.fill(s_part, 0.0)
             T.fill(acc_o, 0.0)
             nc = T.ceildiv(n_max, block_n)
             for c in T.serial(nc):
-                await_chunk(TopK, kt_s, b, h, c, nc, NodesV, vt_s, top_off)
-                chunk_scores(kt_s, k_s, k_lo, q_s, q_lo, acc_s, c)
+                await_chunk(TopK, kt_s, b, h, c, nc, TopV, vt_s, top_off)
+                chunk_scores(kt_s, q_s, q_lo, acc_s, c)
                 for m, j in T.Parallel(block_m, block_n):
                     # a non-winner of its query (the candidates past n have no key: masked by position)
                     tq = T.min(t0 + m // G, t_end - 1)
@@ -396,9 +417,7 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
                     s_part[m, j] += pr
                     put(pr, p_s, p_lo, m, j)
                 if split:
-                    for j, d in T.Parallel(block_n, V):
-                        put(vt_s[c % 2, j, d], v_s, v_lo, d, j)
-                    _split_product(p_s, p_lo, v_s, v_lo, acc_o)
+                    _split_product(p_s, p_lo, vt_s[c % 2, 0, :, :], vt_s[c % 2, 1, :, :], acc_o)
                 else:
                     T.gemm(p_s, vt_s[c % 2, :, :], acc_o)
             T.reduce_sum(s_part, s_top, dim=1, clear=True)
@@ -876,6 +895,16 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     return htree_fwd
 
 
+def _split_tf32(x: torch.Tensor) -> torch.Tensor:
+    """[2, *x.shape] fp32: x's TF32-exact high part and its remainder, as the bit patterns the kernels'
+    TF32 operand stores write (CUTLASS's round_half_ulp_truncate adds half a TF32 ulp, 0x1000, to finite
+    values and the tensor cores drop the low 13 bits), so products read them unchanged."""
+    hi = (x.view(torch.int32) & -8192).view(torch.float32)
+    halves = torch.stack([hi, x - hi])
+    bits = halves.view(torch.int32)
+    return torch.where(halves.isfinite(), bits + 0x1000, bits).view(torch.float32)
+
+
 # Nodes per chunk of each top-layer kernel, for fp32 (True) and 16-bit inputs: smaller chunks let more CTAs
 # share an SM (an fp32 chunk takes 4x the shared memory of a 16-bit one: TF32 halves), larger ones
 # amortize the per-chunk work. Same-process H100 A/Bs of 64 vs 32 (ms): fp32 (a) lse 42.0 / 38.5, keys
@@ -1009,8 +1038,14 @@ class HTreeForwardTileLang:
             return (out, []) if return_selection else out
         shift = (L - 1) * int(math.log2(self.compression_rate))
         lse = torch.empty(B, T, H, **f32)
-        self.top_lse(q, top, cos, sin, lse, shift)
         n_top = top.shape[2]
+        top_k, top_v = top, nodes_v
+        if q.dtype == torch.float32:  # the top kernels' operands in TF32 halves, split once per call
+            chunk = _TOP_CHUNK[True]["merge"]
+            top_v = torch.zeros(B, Hkv, V, -(-n_top // chunk) * chunk, **f32)
+            top_v[..., :n_top] = nodes_v[:, top_off:top_off + n_top].permute(0, 2, 3, 1)
+            top_k, top_v = _split_tf32(top), _split_tf32(top_v)
+        self.top_lse(q, top_k, cos, sin, lse, shift)
         slab = max(1, min(T, self._KEYS_BYTES // (4 * B * Hkv * n_top)))
         slab = slab - slab % 64 if slab >= 64 else slab  # whole CTAs of the top kernels
         keys_buf = torch.empty(B * slab * Hkv * n_top, **i32)
@@ -1025,8 +1060,8 @@ class HTreeForwardTileLang:
             nk = ((t0 + ts - 1) >> shift) + 1  # the slab's last query has the most top-layer candidates
             keys, thr = carve(keys_buf, B, ts, Hkv, nk), carve(thr_buf, B, ts, Hkv)
             part_o, part_ml = carve(part_o_buf, B, ts, H, V), carve(part_ml_buf, B, ts, H, 2)
-            self.top_keys(q, top, cos, sin, lse, keys, shift, t0)
+            self.top_keys(q, top_k, cos, sin, lse, keys, shift, t0)
             self.kernel(q, k, v, nodes_k, nodes_v, top, keys, cos, sin, layer_off, out, thr, part_o, part_ml, sel, L,
                         int(write_sel), t0)
-            self.top_merge(q, top, nodes_v, cos, sin, lse, keys, thr, part_o, part_ml, out, shift, t0, top_off)
+            self.top_merge(q, top_k, top_v, cos, sin, lse, keys, thr, part_o, part_ml, out, shift, t0, top_off)
         return (out, list(sel.unbind(0)) if write_sel else []) if return_selection else out
