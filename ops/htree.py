@@ -92,10 +92,10 @@ def htree_pool_kernel(num_kv_heads: int, head_dim: int, v_head_dim: int, compres
     return htree_pool
 
 
-def _operand_stores(dtype: str, half: int):
-    """Macros storing fp32 values as mma operands of ``dtype`` (fp32: split-TF32 halves in two tiles):
-    put(x, dst, dst_lo, i, j), and put_rotated for a RoPE pair (i, i + half)."""
-    split = dtype == "float32"
+def _operand_stores(dtype: str, half: int, split: bool | None = None):
+    """Macros storing fp32 values as mma operands of ``dtype`` (fp32: split-TF32 halves in two tiles, unless
+    ``split`` is False): put(x, dst, dst_lo, i, j), and put_rotated for a RoPE pair (i, i + half)."""
+    split = dtype == "float32" if split is None else split
 
     @T.macro
     def put(x, dst, dst_lo, i, j):
@@ -467,6 +467,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     TS, TK, NK, TP = T.dynamic("TS"), T.dynamic("TK"), T.dynamic("NK"), T.dynamic("TP")
 
     put, put_rotated = _operand_stores(dtype, half)
+    _, rotate_fp32 = _operand_stores("float32", half, split=False)  # merge_layer0_fma's plain fp32 K
 
     def node_of(parents, p, n_par):
         """Layer node of candidate p (below the top: child p % r of parent p // r)."""
@@ -591,10 +592,8 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
         gather_pairs(Kt, Tn, 0, Cos, Sin, parents, kx, ky, kc, ks, b, h, 0, n, n_par)
         for c in T.serial(chunks):
             for j, i in T.Parallel(block_n, half):
-                x = T.cast(kx[j, i], "float32")
-                y = T.cast(ky[j, i], "float32")
-                k_s[j, i] = x * kc[j, i] - y * ks[j, i]
-                k_s[j, i + half] = x * ks[j, i] + y * kc[j, i]
+                rotate_fp32(T.cast(kx[j, i], "float32"), T.cast(ky[j, i], "float32"), kc[j, i], ks[j, i], 1.0, True,
+                            k_s, k_s, j, i)
             # this chunk's V and the next chunk's K fly during the scores (past the last: none)
             gather_rows(Vt, Tn, 0, parents, vx, b, h, c * block_n, n, n_par)
             gather_pairs(Kt, Tn, 0, Cos, Sin, parents, kx, ky, kc, ks, b, h, (c + 1) * block_n, n, n_par)
