@@ -12,7 +12,10 @@ so the pass is split in two kernels:
 2. `grad` (one CTA per D-slice and token group, streaming over tokens): grad_x = g_mix @ phi
    + c * x + h_pre (x) g_in from one read of the x and g_in tiles, and grad_phi^T += x^T @ g_mix on the
    same tiles (a GEMM whose K is the token dimension). phi's slice stays in shared memory for the whole
-   token stream; each CTA keeps its grad_phi slice in registers and writes it once.
+   token stream; each CTA keeps its grad_phi slice in registers and writes it once. For n <= 4 this is
+   `mhc_pre_bwd_grad_ws` (one CTA per SM, a producer warp streaming whole token tiles by TMA three deep,
+   grad_x formed in place of the x tile and stored from there by TMA: 2.0-2.3x the pipelined kernel);
+   n = 6 and 8 keep `mhc_pre_bwd_grad` (TileLang's own pipeline), whose tiles the ring cannot hold.
 
 Every tile of the pipelined loops is one whole shared buffer loaded by one bulk (TMA) copy from a 2D
 view (x as [tokens, n*D]), so TileLang's warp-specialized producer prefetches it, guarded by that
@@ -37,7 +40,7 @@ g_mix and phi are split into bf16 hi + lo parts for the tensor cores: hi*hi + hi
 
 import torch
 
-from ._runtime import check_int, check_tensor, compile_kernel, resolve_config
+from ._runtime import check_int, check_tensor, compile_kernel, resolve_config, sm_count
 from .mhc_pre import _D_PAD, MHCForwardPreTileLang, _round_up, mhc_phi_split_kernel, phi_split_rows
 
 import tilelang.language as T  # noqa: E402  (after _runtime set the cache dir)
@@ -252,13 +255,159 @@ def mhc_pre_bwd_grad_kernel(n: int, D: int, has_g_in: bool = True, token_groups:
     return mhc_pre_bwd_grad
 
 
-def _default_config(n: int) -> dict:
+_WS_BLOCK_D = 64  # bf16 columns per stream in the warp-specialized grad kernel: one 128-byte swizzle band
+_WS_THREADS = 384  # two consumer warpgroups + a producer warpgroup (one warp of it issues the loads)
+
+
+def ws_grad(n: int) -> bool:
+    """Whether the grad kernel is the warp-specialized one: phi's [hi; lo] slice and three stages of
+    tiles fit shared memory for n <= 4 (n = 6 and 8 keep the pipelined kernel)."""
+    return n <= 4
+
+
+def mhc_pre_bwd_grad_ws_kernel(n: int, D: int, has_g_in: bool = True, token_groups: int = 2,
+                               block_t: int = 64, block_d: int = _WS_BLOCK_D, num_stages: int = 3):
+    """grad_x and per-token-group grad_phi^T partials (module docstring, step 2), warp-specialized: one
+    producer warp streams each token tile (x of every stream side by side, g_in, g_mix, the coefficients)
+    by TMA into a ring of `num_stages` stages; the two consumer warpgroups run the products, form grad_x
+    in place of the x tile (each element from its own x) and store it from there by TMA, then free the
+    stage once those stores have read it. Same arguments as `mhc_pre_bwd_grad_kernel`."""
+    M, NG, NP, Dp, Dc = _dims(n, D, block_d)
+    bk = n * block_d
+    num_tokens = T.dynamic("num_tokens")
+    rows_in = num_tokens if has_g_in else 1
+    CW = _coef_cols(n)
+    streams = tuple(range(n))  # a Python tuple: the loops over it unroll while tracing
+
+    def stage(it):
+        return it % num_stages
+
+    def phase(it):
+        return (it // num_stages) % 2
+
+    @T.prim_func
+    def mhc_pre_bwd_grad_ws(
+        X: T.Tensor((num_tokens, n, D), "bfloat16"),
+        PhiHi: T.Tensor((NG, n, Dp), "bfloat16"),
+        PhiLo: T.Tensor((NG, n, Dp), "bfloat16"),
+        GIn: T.Tensor((rows_in, D), "bfloat16"),
+        GMix: T.Tensor((num_tokens, NP), "float32"),
+        Coef: T.Tensor((num_tokens, CW), "float32"),
+        GradX: T.Tensor((num_tokens, n, D), "bfloat16"),
+        PartPhiT: T.Tensor((token_groups, n, Dc, NP), "float32"),
+    ):
+        with T.Kernel(Dc // block_d, token_groups, threads=_WS_THREADS) as (bx, by):
+            d0 = bx * block_d
+            x_ring = T.alloc_shared((num_stages, block_t, bk), "bfloat16")  # stream i in columns of band i
+            g_ring = T.alloc_shared((num_stages, block_t, block_d), "bfloat16")
+            gm_ring = T.alloc_shared((num_stages, block_t, NP), "float32")
+            coef_ring = T.alloc_shared((num_stages, block_t, CW), "float32")  # [c, h_pre] per token
+            phi_hi = T.alloc_shared((NP, bk), "bfloat16")
+            phi_lo = T.alloc_shared((NP, bk), "bfloat16")
+            gm_hi = T.alloc_shared((block_t, NP), "bfloat16")
+            gm_lo = T.alloc_shared((block_t, NP), "bfloat16")
+            full = T.alloc_barrier([32] * num_stages)  # the producer warp arrives, TMA bytes complete it
+            free = T.alloc_barrier([256] * num_stages)  # consumer threads, after the stage's grad_x store
+            gx = T.alloc_fragment((block_t, bk), "float32")
+            gphi = T.alloc_fragment((bk, NP), "float32")
+            tx = T.get_thread_binding()
+            per_group = T.ceildiv(T.ceildiv(num_tokens, block_t), token_groups)
+            first = by * per_group  # this CTA's token tiles: [first, first + tiles)
+            tiles = T.max(T.min(per_group, T.ceildiv(num_tokens, block_t) - first), 0)
+
+            if tx >= 256:  # producer warpgroup: warp 8 issues every load
+                T.set_max_nreg(40, 0)
+                if tx < 288:
+                    for it in T.serial(tiles):
+                        st = stage(it)
+                        t0 = (first + it) * block_t
+                        T.barrier_wait(free[st], phase(it) ^ 1)
+                        # Past D (or the last token) TMA fills zeros: those rows and columns are never stored.
+                        for i in streams:
+                            T.tma_copy(X[t0:t0 + block_t, i, d0:d0 + block_d],
+                                       x_ring[st, :, i * block_d:(i + 1) * block_d], barrier=full[st],
+                                       leader_scope_threads=32)
+                        if has_g_in:
+                            T.tma_copy(GIn[t0:t0 + block_t, d0:d0 + block_d], g_ring[st, :, :], barrier=full[st],
+                                       leader_scope_threads=32)
+                        T.tma_copy(GMix[t0:t0 + block_t, :], gm_ring[st, :, :], barrier=full[st],
+                                   leader_scope_threads=32)
+                        T.tma_copy(Coef[t0:t0 + block_t, :], coef_ring[st, :, :], barrier=full[st],
+                                   leader_scope_threads=32)
+                        T.barrier_arrive(full[st])
+            else:  # consumer warpgroups
+                T.set_max_nreg(232, 1)
+                for r, k in T.Parallel(NP, bk):
+                    ok = r < NG
+                    col = d0 + k % block_d
+                    phi_hi[r, k] = T.if_then_else(ok, PhiHi[T.min(r, NG - 1), k // block_d, col], T.bfloat16(0))
+                    phi_lo[r, k] = T.if_then_else(ok, PhiLo[T.min(r, NG - 1), k // block_d, col], T.bfloat16(0))
+                T.clear(gphi)
+                for it in T.serial(tiles):
+                    st = stage(it)
+                    t0 = (first + it) * block_t
+                    T.barrier_wait(full[st], phase(it))
+                    for t, r in T.Parallel(block_t, NP):
+                        hi = T.cast(gm_ring[st, t, r], "bfloat16")
+                        gm_hi[t, r] = hi
+                        gm_lo[t, r] = T.cast(gm_ring[st, t, r] - T.cast(hi, "float32"), "bfloat16")
+                    # g_mix @ phi as hi*hi + lo*hi + hi*lo; grad_phi^T += x^T @ (hi + lo), warps splitting its
+                    # rows (whole N = 32 per wgmma). Issued together, waited for once.
+                    T.wgmma_gemm(gm_hi, phi_hi, gx, clear_accum=True)
+                    T.wgmma_gemm(gm_lo, phi_hi, gx)
+                    T.wgmma_gemm(gm_hi, phi_lo, gx)
+                    T.wgmma_gemm(x_ring[st, :, :], gm_hi, gphi, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(x_ring[st, :, :], gm_lo, gphi, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(0)
+                    for t, k in T.Parallel(block_t, bk):
+                        h_in_term = (coef_ring[st, t, 1 + k // block_d] * T.cast(g_ring[st, t, k % block_d], "float32")
+                                     if has_g_in else T.float32(0))
+                        gx[t, k] += coef_ring[st, t, 0] * T.cast(x_ring[st, t, k], "float32") + h_in_term
+                    # Every warp has read the x tile (products, the loop above): grad_x goes in its place.
+                    T.sync_threads(1, 256)
+                    T.copy(gx, x_ring[st, :, :])
+                    T.fence_proxy_async()  # the shared stores, before the TMA engine reads them
+                    T.sync_threads(1, 256)
+                    for i in streams:  # warp i stores stream i's band; rows past the last token are dropped
+                        if tx // 32 == i:
+                            T.tma_copy(x_ring[st, :, i * block_d:(i + 1) * block_d],
+                                       GradX[t0:t0 + block_t, i, d0:d0 + block_d], leader_scope_threads=32)
+                    # The previous tile's stores have read its stage: hand that one back (this one's later).
+                    T.tma_store_wait(1)
+                    if it > 0:
+                        T.barrier_arrive(free[stage(it - 1)])
+                T.tma_store_wait(0)
+                if tiles > 0:
+                    T.barrier_arrive(free[stage(tiles - 1)])
+                for k, r in T.Parallel(bk, NP):
+                    PartPhiT[by, k // block_d, d0 + k % block_d, r] = gphi[k, r]
+
+    return mhc_pre_bwd_grad_ws
+
+
+def grad_kernel(n: int, D: int, has_g_in: bool = True, **config):
+    """The grad kernel of (n, D): the warp-specialized one where `ws_grad(n)`, else the pipelined one."""
+    build = mhc_pre_bwd_grad_ws_kernel if ws_grad(n) else mhc_pre_bwd_grad_kernel
+    return build(n, D, has_g_in, **config)
+
+
+def _token_groups(D: int, block_d: int) -> int:
+    """Token groups of the warp-specialized grad kernel (one CTA per SM): the fewest that fill the last
+    wave of (D-slice, token group) CTAs best (D = 4096: 2, 128 CTAs; D = 7168: 7, 784 CTAs in 5.9 waves),
+    since every group adds a grad_phi partial to write and sum."""
+    slices, sms = -(-D // block_d), sm_count()
+    return max(range(1, 9), key=lambda g: (slices * g / (-(-slices * g // sms) * sms), -g))
+
+
+def _default_config(n: int, D: int) -> dict:
+    if ws_grad(n):
+        return {"block_t": 64, "block_d": _WS_BLOCK_D, "token_groups": _token_groups(D, _WS_BLOCK_D),
+                "num_stages": 3}
     # block_d keeps n*block_d a multiple of 64 (the grad_phi product's M over 8 warps) and shared
     # memory in bounds (n = 5 and 7 fit with no block_d, see MHCBackwardPreTileLang). num_stages is the
     # grad kernel's (the tunable one; the stats kernel takes 2 when they fit, see _stats_stages): one
     # stage, as measured; its x tiles are copied out at once, which frees them for the next loads.
-    block_d = {6: 32, 8: 16}.get(n, 64)
-    return {"block_t": 64, "block_d": block_d, "token_groups": 4, "num_stages": 1}
+    return {"block_t": 64, "block_d": {6: 32, 8: 16}[n], "token_groups": 4, "num_stages": 1}
 
 
 class MHCBackwardPreTileLang:
@@ -274,14 +423,15 @@ class MHCBackwardPreTileLang:
     """
 
     op_name = "mhc_pre_bwd"
-    DEFAULT_CONFIG = _default_config(4)
-    tunable_kernel = staticmethod(mhc_pre_bwd_grad_kernel)
+    DEFAULT_CONFIG = _default_config(4, 4096)
+    tunable_kernel = staticmethod(grad_kernel)
 
     @staticmethod
     def config_space(n: int, D: int, **_) -> list[dict]:
         # block_d and token_groups fix the workspace shapes of tune_args, so they stay at the default.
-        base = _default_config(n)
-        return [{**base, "block_t": bt, "num_stages": s} for bt in (64, 128) for s in (1, 2, 3)
+        base = _default_config(n, D)
+        tiles = (64,) if ws_grad(n) else (64, 128)
+        return [{**base, "block_t": bt, "num_stages": s} for bt in tiles for s in (1, 2, 3, 4)
                 if _smem_bytes(n, bt, base["block_d"], s) <= _SMEM_LIMIT]
 
     def __init__(self, B: int, S: int, n: int, D: int, config: dict | None = None):
@@ -294,14 +444,17 @@ class MHCBackwardPreTileLang:
         check_int("D", D, lo=8, hi=16384, multiple_of=8)
         self.n, self.D = n, D
         self.spec = {"n": n, "D": D}
-        self.config = resolve_config(self.op_name, self.spec, config, _default_config(n))
+        self.config = resolve_config(self.op_name, self.spec, config, _default_config(n, D))
         cfg = self.config
         check_int("config['block_t']", cfg["block_t"], lo=64, hi=128, multiple_of=64)
         check_int("config['block_d']", cfg["block_d"], lo=16, hi=128, power_of_two=True)
         if n * cfg["block_d"] % 64:
             raise ValueError(f"config: n*block_d must be a multiple of 64, got n={n}, block_d={cfg['block_d']}")
         check_int("config['token_groups']", cfg["token_groups"], lo=1, hi=64)
-        check_int("config['num_stages']", cfg["num_stages"], lo=1, hi=3)
+        check_int("config['num_stages']", cfg["num_stages"], lo=1, hi=4)
+        if ws_grad(n) and (cfg["block_t"], cfg["block_d"]) != (64, _WS_BLOCK_D):
+            raise ValueError(f"config: block_t and block_d must be 64 for n={n} (the warp-specialized grad "
+                             f"kernel), got {cfg['block_t']} and {cfg['block_d']}")
         need = _smem_bytes(n, cfg["block_t"], cfg["block_d"], cfg["num_stages"])
         if need > _SMEM_LIMIT:
             raise ValueError(f"config: {cfg} needs about {need} bytes of shared memory for n={n}, "
@@ -319,7 +472,7 @@ class MHCBackwardPreTileLang:
             stages = _stats_stages(n, cfg["block_t"], cfg["block_d"])
             self._stats[key] = compile_kernel(mhc_pre_bwd_stats_kernel(n, D, *key, num_stages=stages, **tiles))
         if has_g_in not in self._grad:
-            self._grad[has_g_in] = compile_kernel(mhc_pre_bwd_grad_kernel(
+            self._grad[has_g_in] = compile_kernel(grad_kernel(
                 n, D, has_g_in, token_groups=cfg["token_groups"], num_stages=cfg["num_stages"], **tiles))
         return self._stats[key], self._grad[has_g_in]
 
@@ -368,7 +521,8 @@ class MHCBackwardPreTileLang:
         # Each kernel's outputs come last: (g_z, g_alpha) and (grad_x, part_phi_t).
         stats_args = (x2, phi_hl.view(2 * NG, n * Dp), alpha, bias, inv_rms.view(tokens), h_pre.view(tokens, n),
                       g_in, g_post, g_res, g_mix, coef, g_z, g_alpha)
-        grad_args = (x2, phi_hi, phi_lo, g_in, g_mix, coef, grad_x, part_phi_t)
+        x_grad = x.view(tokens, n, D) if ws_grad(n) else x2  # the warp-specialized kernel reads x per stream
+        grad_args = (x_grad, phi_hi, phi_lo, g_in, g_mix, coef, grad_x, part_phi_t)
         return stats_args, grad_args
 
     def tune_args(self, x, phi, alpha, bias, inv_rms, h_pre, grad_h_in=None, grad_h_post=None,
@@ -420,6 +574,14 @@ def _grad_smem(n: int, block_t: int, block_d: int, num_stages: int) -> int:
     return num_stages * tiles + 3 * NP * bk * 2 + block_t * bk * 2 + block_t * 5 * NP * 2
 
 
+def _ws_grad_smem(n: int, block_t: int, num_stages: int) -> int:
+    """Shared memory of the warp-specialized grad kernel: its ring, phi's [hi; lo] slice, g_mix's parts."""
+    _, _, NP, _, _ = _dims(n, _WS_BLOCK_D, _WS_BLOCK_D)
+    bk = n * _WS_BLOCK_D
+    stage = block_t * (bk * 2 + _WS_BLOCK_D * 2 + NP * 4 + _coef_cols(n) * 4)
+    return num_stages * stage + 2 * NP * bk * 2 + 2 * block_t * NP * 2
+
+
 def _stats_stages(n: int, block_t: int, block_d: int) -> int:
     """Two stages for the stats kernel where they fit, else one."""
     return 2 if _stats_smem(n, block_t, block_d, 2) + 2048 <= _SMEM_LIMIT else 1
@@ -428,7 +590,8 @@ def _stats_stages(n: int, block_t: int, block_d: int) -> int:
 def _smem_bytes(n: int, block_t: int, block_d: int, num_stages: int) -> int:
     """Shared memory of the larger of the two kernels, plus slack for barriers and alignment."""
     stats = _stats_smem(n, block_t, block_d, _stats_stages(n, block_t, block_d))
-    return max(stats, _grad_smem(n, block_t, block_d, num_stages)) + 2048
+    grad = _ws_grad_smem(n, block_t, num_stages) if ws_grad(n) else _grad_smem(n, block_t, block_d, num_stages)
+    return max(stats, grad) + 2048
 
 
 class _MHCPre(torch.autograd.Function):
