@@ -30,7 +30,8 @@ TileLang releases a TMA tile to its producer right after the tile's last reader,
 that release while shared loads of the tile are still in flight if their values are only used later
 (the next tile's TMA write then overtakes them: wrong values, timing-dependent; see docs/perf.md). So
 register-only readers of a TMA tile (the stats kernel's dots) run before the tile's tensor-core products,
-and the grad kernel's epilogue ends in stores.
+and the pipelined grad kernel's epilogue ends in stores (the warp-specialized one hands a stage back
+only after a barrier and its TMA stores' reads).
 
 Token reductions (grad_phi over token groups, grad_bias, grad_alpha over tokens) are sums of per-CTA /
 per-token partials in a fixed order: bitwise reproducible, no float atomics.
