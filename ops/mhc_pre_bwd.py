@@ -258,6 +258,9 @@ def mhc_pre_bwd_grad_kernel(n: int, D: int, has_g_in: bool = True, token_groups:
 
 _WS_BLOCK_D = 64  # bf16 columns per stream in the warp-specialized grad kernel: one 128-byte swizzle band
 _WS_THREADS = 384  # two consumer warpgroups + a producer warpgroup (one warp of it issues the loads)
+# A stage is handed back one tile after its own (once its grad_x stores have read it): with one stage the
+# producer would wait for a release that comes only after the next tile has landed.
+_WS_MIN_STAGES = 2
 
 
 def ws_grad(n: int) -> bool:
@@ -431,8 +434,8 @@ class MHCBackwardPreTileLang:
     def config_space(n: int, D: int, **_) -> list[dict]:
         # block_d and token_groups fix the workspace shapes of tune_args, so they stay at the default.
         base = _default_config(n, D)
-        tiles = (64,) if ws_grad(n) else (64, 128)
-        return [{**base, "block_t": bt, "num_stages": s} for bt in tiles for s in (1, 2, 3, 4)
+        tiles, least = ((64,), _WS_MIN_STAGES) if ws_grad(n) else ((64, 128), 1)
+        return [{**base, "block_t": bt, "num_stages": s} for bt in tiles for s in range(least, 5)
                 if _smem_bytes(n, bt, base["block_d"], s) <= _SMEM_LIMIT]
 
     def __init__(self, B: int, S: int, n: int, D: int, config: dict | None = None):
@@ -456,6 +459,9 @@ class MHCBackwardPreTileLang:
         if ws_grad(n) and (cfg["block_t"], cfg["block_d"]) != (64, _WS_BLOCK_D):
             raise ValueError(f"config: block_t and block_d must be 64 for n={n} (the warp-specialized grad "
                              f"kernel), got {cfg['block_t']} and {cfg['block_d']}")
+        if ws_grad(n) and cfg["num_stages"] < _WS_MIN_STAGES:
+            raise ValueError(f"config['num_stages']: expected >= {_WS_MIN_STAGES} for n={n} (the warp-specialized "
+                             f"grad kernel hands a stage back one tile late), got {cfg['num_stages']}")
         need = _smem_bytes(n, cfg["block_t"], cfg["block_d"], cfg["num_stages"])
         if need > _SMEM_LIMIT:
             raise ValueError(f"config: {cfg} needs about {need} bytes of shared memory for n={n}, "

@@ -86,11 +86,20 @@ def test_closed_form_float32_inputs():
     (dict(config={"block_d": 48}), ValueError, "block_d"),
     (dict(n=2, config={"block_d": 16}), ValueError, "multiple of 64"),
     (dict(n=8, config={"block_d": 64}), ValueError, "shared memory"),
+    (dict(config={"block_t": 128}), ValueError, "must be 64 for n=4"),
+    (dict(n=2, config={"num_stages": 1}), ValueError, r"num_stages'\]: expected >= 2 for n=2"),
 ])
 def test_constructor_validation(kwargs, err, match):
     args = {**dict(B=1, S=4, n=4, D=64), **kwargs}
     with pytest.raises(err, match=match):
         MHCBackwardPreTileLang(**args)
+
+
+@pytest.mark.parametrize("n", [1, 4, 6])
+def test_config_space_offers_no_hanging_config(n):
+    """The warp-specialized grad kernel (n <= 4) hangs with one stage: the autotuner is never offered it."""
+    stages = {cfg["num_stages"] for cfg in MHCBackwardPreTileLang.config_space(n=n, D=1024)}
+    assert stages and min(stages) == (2 if n <= 4 else 1), stages
 
 
 # ----------------------------------------------------------------------------- compile-only (sm_90a)
