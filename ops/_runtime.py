@@ -83,9 +83,10 @@ def max_active_clusters(cluster: int, threads: int, smem_bytes: int, device: int
     memory, the GPU holds at once (cuOccupancyMaxActiveClusters on an empty kernel of that shape: with
     one CTA per SM this is set by how many SMs each GPC has, which no device property tells). A
     persistent kernel launching more clusters than this runs the extra ones after the others finish.
-    Without CUDA: 7, an H100 / H200 SXM's count for 16-CTA clusters of one CTA per SM."""
+    Without CUDA: an H100 / H200 SXM's count for clusters of one CTA per SM (7 of 16 CTAs, every SM
+    pair for 2)."""
     if not torch.cuda.is_available():
-        return 7
+        return 7 if cluster == 16 else sm_count() // cluster
     torch.cuda.init()
     with torch.cuda.device(torch.cuda.current_device() if device is None else device):
         torch.cuda.current_stream().synchronize()  # the primary context is current on this thread

@@ -23,6 +23,9 @@ Two kernels share that plan:
   buffer, running into the next item as soon as its Q tile has landed (its Q copies never wait on the
   ring); two consumer warpgroups (64 query rows each) issue the scores of KV tile j and the P @ V
   product of tile j-1 together, so the softmax of tile j overlaps that product on the tensor cores.
+  From 32-row pages, CTA pairs (clusters) take two adjacent query tiles of one head group and share
+  each K / V tile: rank 0 multicasts it into both CTAs' rings, halving the L2 reads. On an H200 this
+  kernel runs at the board's power cap, and the saved energy buys clock (1545 -> 1630 MHz at (a)).
   The causal mask is applied only to tiles that cross the diagonal. A full tile's O is staged in its
   Q buffer and stored by TMA (per-thread stores of the accumulator cost ~3 us per item).
 - `paged_prefill_gather_kernel` (fp32 as TF32, whose P goes through shared memory; pages under 16
@@ -35,10 +38,12 @@ slots may hold NaN). KV tiles past the diagonal of the query tile are never visi
 
 
 import math
+from collections import namedtuple
 
 import torch
 
-from ._runtime import check_choice, check_int, check_tensor, compile_kernel, resolve_config, sm_count
+from ._runtime import (check_choice, check_int, check_tensor, compile_kernel, max_active_clusters, resolve_config,
+                       sm_count)
 
 import tilelang.language as T  # noqa: E402  (after _runtime set the cache dir)
 
@@ -52,17 +57,33 @@ _PAGE_LOADS_FROM = 32
 # The warp-specialized kernel takes pages from 16 rows (one mbarrier per stage for all its copies).
 _WS_PAGES_FROM = 16
 _WS_BLOCK_M = 128  # two consumer warpgroups of 64 query rows
+# CTA pairs share K/V tiles by multicast from this page size on (H200: -5% at 32-row pages; none at 16, which
+# take 8 copies per tile).
+_MULTICAST_PAGES_FROM = 32
 _WS_THREADS = 384  # producer warpgroup + 2 consumer warpgroups
-_WS_Q_WARP = 9  # the producer warp that loads Q tiles (warp 8 loads K and V; the K/V ring never waits on Q)
+_WS_Q_WARP = 9  # loads Q tiles; warp 8 loads K and V (K alone in a cluster, V then on warp 10), never waiting on Q
 # Slots of a work item's scalars in shared memory: the Q warp writes them, the K/V warp and the consumers
 # read them.
 _STEPS, _KV_LEN, _POS0, _Q_BEGIN, _Q0, _HEAD0, _ROWS, _SEQ = range(8)
 _WS_SMEM_LIMIT = 220 * 1024  # of the 227 KB a CTA may use; the rest is barriers and alignment
 
 
+# What a producer warp needs to fill one K or V ring: the cache, the ring, its free / full mbarriers.
+_KVStream = namedtuple("_KVStream", "cache ring free full")
+
+
+def _ws_smem_bytes(q_tiles: int, block_N: int, num_stages: int, head_size: int) -> int:
+    """Shared memory of the warp-specialized kernel's Q tiles and K / V rings (16-bit)."""
+    return (q_tiles * _WS_BLOCK_M + 2 * num_stages * block_N) * head_size * 2
+
+
 def _ws_smem_fits(q_tiles: int, block_N: int, num_stages: int, head_size: int) -> bool:
-    """Whether the warp-specialized kernel's Q tiles and K / V rings fit its shared memory (16-bit)."""
-    return (q_tiles * _WS_BLOCK_M + 2 * num_stages * block_N) * head_size * 2 <= _WS_SMEM_LIMIT
+    return _ws_smem_bytes(q_tiles, block_N, num_stages, head_size) <= _WS_SMEM_LIMIT
+
+
+def _ws_q_stages(block_N: int, num_stages: int, head_size: int) -> int:
+    """Q buffers: two where they fit, so the producer loads the next item's Q during this one."""
+    return 2 if _ws_smem_fits(2, block_N, num_stages, head_size) else 1
 
 
 def head_pack(num_heads: int, num_kv_heads: int, block_M: int) -> int:
@@ -114,11 +135,12 @@ class _TilePlan:
         self.page_ids = page_ids
 
         @T.macro
-        def load_pages(cache, dst, blocks, kv_head, kt, bars=None, st=None):
+        def load_pages(cache, dst, blocks, kv_head, kt, bars=None, st=None, multicast=None):
             # One bulk copy per (page or block_N slice of a page, 128-byte column band): a band is one
             # contiguous run of the swizzled shared tile, as the TMA lowering requires. `dst` is a
             # [block_N, head_size] tile (T.copy: TileLang adds the mbarriers) or, with `bars`, stage
-            # `st` of a ring whose copies all complete on bars[st] (T.tma_copy).
+            # `st` of a ring whose copies all complete on bars[st] (T.tma_copy), multicast to the cluster
+            # CTAs of the `multicast` mask when given.
             for p in self.pages:
                 for c in range(0, head_size, band):
                     rows = slice(p * rows_per_copy, (p + 1) * rows_per_copy)
@@ -129,7 +151,8 @@ class _TilePlan:
                     if bars is None:
                         T.copy(src, dst[rows, c:c + band])
                     else:
-                        T.tma_copy(src, dst[st, rows, c:c + band], barrier=bars[st], leader_scope_threads=32)
+                        T.tma_copy(src, dst[st, rows, c:c + band], barrier=bars[st], cluster_mask=multicast,
+                                   leader_scope_threads=32)
         self.load_pages = load_pages
 
         @T.macro
@@ -218,42 +241,52 @@ class _TilePlan:
                     Out[q_begin + q0 + i // pack, head0 + i % pack, d] = T.cast(acc_o[i, d] / denom[i], dtype)
         self.store_out = store_out
 
-    def tile(self, TileSeq, TileQ0, CumSeqLensQ, SeqLens, tile, head_group, exists=True):
-        """The CTA's query tile: (busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows).
-        An idle tile (or one that does not `exist`: `tile` is then clamped by the caller) reads
-        sequence 0's scalars, runs zero KV steps and writes nothing."""
+    def tile(self, TileSeq, TileQ0, CumSeqLensQ, SeqLens, tile, head_group, exists=True, part=0, parts=1):
+        """The CTA's query tile: (busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows, steps).
+        A schedule tile holds `parts` query tiles of `tokens` tokens (the CTAs of a cluster, which share
+        its KV tiles); this CTA takes query tile `part`, whose rows may all lie past the sequence end
+        (rows = 0), and all of them run the KV steps up to the schedule tile's diagonal. An idle tile (or
+        one that does not `exist`: `tile` is then clamped by the caller) reads sequence 0's scalars, runs
+        zero KV steps and writes nothing."""
         busy = T.And(exists, TileSeq[tile] >= 0)
         seq = T.max(TileSeq[tile], 0)
         head0 = head_group * self.pack
-        q0 = TileQ0[tile]
+        first = TileQ0[tile]
         q_begin = CumSeqLensQ[seq]
         q_len = CumSeqLensQ[seq + 1] - q_begin
         kv_len = SeqLens[seq]
+        span = T.if_then_else(busy, T.min(parts * self.tokens, q_len - first), 0)  # valid tokens of all parts
+        steps = T.if_then_else(busy, T.ceildiv(kv_len - q_len + first + span, self.block_N), 0)
+        q0 = first + part * self.tokens
         pos0 = kv_len - q_len + q0  # KV position of the tile's first query row
-        rows = T.if_then_else(busy, T.min(self.tokens, q_len - q0), 0)  # valid tokens in this tile
-        return busy, seq, head0 // self.groups, head0, q_begin, q_len, q0, kv_len, pos0, rows
-
-    def kv_steps(self, busy, pos0, rows):
-        """KV tiles of a query tile, up to its diagonal (0 when idle)."""
-        return T.if_then_else(busy, T.ceildiv(pos0 + rows, self.block_N), 0)
+        rows = T.max(T.min(self.tokens, span - part * self.tokens), 0)  # valid tokens in this tile
+        return busy, seq, head0 // self.groups, head0, q_begin, q_len, q0, kv_len, pos0, rows, steps
 
 
 def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: str,
                             use_alibi: bool, kv_layout: str, scale: float, num_ctas: int, block_N: int = 128,
-                            num_stages: int = 2):
+                            num_stages: int = 2, cluster: int = 1):
     """Warp-specialized causal paged attention (module docstring), fp16/bf16, pages of >= 16 rows.
     Persistent: `num_ctas` CTAs (one per SM) take the (tile, head group) work items round-robin, so the
-    producer loads the next item's first K/V tiles while the consumers finish the current one."""
+    producer loads the next item's first K/V tiles while the consumers finish the current one.
+
+    With `cluster` > 1 a work item is `cluster` adjacent query tiles of one head group, one per CTA of a
+    cluster, and all walk the same KV tiles (the last one's diagonal; the others mask the excess): rank 0
+    loads each K / V tile once by TMA multicast into every CTA's ring, so the L2 serves a `cluster`-th of
+    the K/V bytes. Rank 0 refills a stage once the consumers of all CTAs have released it (one arrival per
+    consumer warp on rank 0's free barrier); the other ranks' producers only announce the bytes they
+    expect, once the stage's previous fill has landed. K and V then have a producer warp each."""
     block_M = _WS_BLOCK_M
     plan = _TilePlan(num_heads, num_kv_heads, head_size, block_size, dtype, use_alibi, kv_layout, scale,
                      block_M, block_N)
     total_q, num_seqs, num_blocks, max_blocks, num_tiles = plan.dims
     head_groups = num_heads // plan.pack
     accum = "float32"
-    # The producer loads the next item's Q while the consumers work on this one, when two Q tiles fit.
-    q_stages = 2 if _ws_smem_fits(2, block_N, num_stages, head_size) else 1
+    q_stages = _ws_q_stages(block_N, num_stages, head_size)
     # Full tiles stage O in their Q buffer and store it by TMA, split over the 8 consumer warps.
     tma_out = plan.tokens % 8 == 0
+    num_clusters = num_ctas // cluster
+    multicast = (1 << cluster) - 1 if cluster > 1 else None  # the CTAs a K/V copy lands in
 
     def ring_stage(i, depth=num_stages):
         """The buffer of a ring of `depth` buffers taking its i-th use (KV step, or work item for Q)."""
@@ -263,26 +296,68 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
         """The mbarrier phase of that use of its buffer."""
         return (i // depth) % 2
 
-    def work_tile(TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, w):
-        """plan.tile of the CTA's w-th work item. Items are (tile, head group) pairs, longest first, dealt
-        to the CTAs in rounds that alternate direction: dealt round-robin, CTA 0 would get the longest
-        item of every round (3% of (a)'s time in the slowest CTA's surplus)."""
-        work = w * num_ctas + T.if_then_else(w % 2 == 0, cta, num_ctas - 1 - cta)
+    def work_tile(TileSeq, TileQ0, CumSeqLensQ, SeqLens, cid, rank, w):
+        """plan.tile of the w-th work item of cluster `cid`, part `rank`. Items are (tile, head group)
+        pairs, longest first, dealt to the clusters in rounds that alternate direction: dealt round-robin,
+        cluster 0 would get the longest item of every round (3% of (a)'s time in the slowest CTA's surplus)."""
+        work = w * num_clusters + T.if_then_else(w % 2 == 0, cid, num_clusters - 1 - cid)
         tile = T.min(work // head_groups, num_tiles - 1)
         return plan.tile(TileSeq, TileQ0, CumSeqLensQ, SeqLens, tile, work % head_groups,
-                         work < num_tiles * head_groups)
+                         work < num_tiles * head_groups, rank, cluster)
 
     @T.macro
-    def issue_q(Q, q_ring, q_full, q_free, item_s, TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, tx, w):
+    def release(free, st, tx):
+        # The consumers are done reading stage st: every thread arrives, or with a cluster one lane per
+        # consumer warp on rank 0's barrier (rank 0 refills the stage in every CTA of the cluster).
+        if cluster == 1:
+            T.barrier_arrive(free[st])
+        elif tx % 32 == 0:
+            T.mbarrier_arrive(free[st], 0)
+
+    @T.macro
+    def claim(free, full, st, phase, rank):
+        # The K/V warp may fill stage st (rank 0: released in every CTA) or, on the other ranks, expect
+        # its next fill (its previous fill has landed, so this arrival counts toward the next phase).
+        if cluster == 1:
+            T.barrier_wait(free[st], phase ^ 1)
+        elif rank == 0:
+            T.barrier_wait(free[st], phase ^ 1)
+        else:
+            T.barrier_wait(full[st], phase ^ 1)
+
+    @T.macro
+    def kv_rings(streams, q_full, BlockTables, item_s, items, rank):
+        # A producer warp's K and/or V streams (_KVStream): every KV step of every item, behind the item's
+        # Q tile.
+        step = T.alloc_var("int32", init=0)  # KV steps loaded: ring stage and phase
+        for w in T.serial(items):
+            qb = ring_stage(w, q_stages)
+            T.barrier_wait(q_full[qb], ring_phase(w, q_stages))
+            steps_p = item_s[qb, _STEPS]
+            kv_len_p = item_s[qb, _KV_LEN]
+            kv_head = item_s[qb, _HEAD0] // plan.groups
+            seq = item_s[qb, _SEQ]
+            for kt in T.serial(steps_p):
+                st = ring_stage(step)
+                phase = ring_phase(step)
+                blocks = plan.page_ids(BlockTables, seq, kv_len_p, kt)
+                for kv in streams:  # (not unpacked: a builder assignment would rename the buffers)
+                    claim(kv.free, kv.full, st, phase, rank)
+                    plan.load_pages(kv.cache, kv.ring, blocks, kv_head, kt, kv.full, st, multicast)
+                    T.barrier_arrive(kv.full[st])
+                step = step + 1
+
+    @T.macro
+    def issue_q(Q, q_ring, q_full, q_free, item_s, TileSeq, TileQ0, CumSeqLensQ, SeqLens, cid, rank, tx, w):
         # Q tile and scalars of item w, handed to the consumers and the K/V warp through q_full (its
         # arrival releases the scalars' shared stores).
-        busy, seq, _, head0, q_begin, q_len, q0, kv_len, pos0, rows = work_tile(TileSeq, TileQ0, CumSeqLensQ,
-                                                                                SeqLens, cta, w)
+        _, seq, _, head0, q_begin, q_len, q0, kv_len, pos0, rows, steps = work_tile(
+            TileSeq, TileQ0, CumSeqLensQ, SeqLens, cid, rank, w)
         qb = ring_stage(w, q_stages)
         T.barrier_wait(q_free[qb], ring_phase(w, q_stages) ^ 1)
         plan.load_q_tma(Q, q_ring, q_full, qb, q_begin, q0, q_len, head0)
         if tx == _WS_Q_WARP * 32:
-            for slot, v in ((_STEPS, plan.kv_steps(busy, pos0, rows)), (_KV_LEN, kv_len), (_POS0, pos0),
+            for slot, v in ((_STEPS, steps), (_KV_LEN, kv_len), (_POS0, pos0),
                             (_Q_BEGIN, q_begin), (_Q0, q0), (_HEAD0, head0), (_ROWS, rows), (_SEQ, seq)):
                 item_s[qb, slot] = v
         T.barrier_arrive(q_full[qb])
@@ -300,14 +375,19 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
         TileQ0: T.Tensor((num_tiles,), "int32"),
         Out: T.Tensor(plan.q_shape, dtype),
     ):
-        with T.Kernel(num_ctas, threads=_WS_THREADS) as cta:
+        with T.Kernel(cluster, num_clusters, threads=_WS_THREADS,
+                      cluster_dims=(cluster, 1, 1) if cluster > 1 else None) as (rank, cid):
             q_ring = T.alloc_shared((q_stages, block_M, head_size), dtype)
             k_ring = T.alloc_shared((num_stages, block_N, head_size), dtype)
             v_ring = T.alloc_shared((num_stages, block_N, head_size), dtype)
             k_full = T.alloc_barrier([32] * num_stages)  # the K/V warp arrives, TMA bytes complete it
             v_full = T.alloc_barrier([32] * num_stages)
-            k_free = T.alloc_barrier([256] * num_stages)  # consumer threads arrive when done reading
-            v_free = T.alloc_barrier([256] * num_stages)
+            if cluster == 1:  # consumer threads arrive when done reading
+                k_free = T.alloc_barrier([256] * num_stages)
+                v_free = T.alloc_barrier([256] * num_stages)
+            else:  # the consumer warps of every CTA of the cluster arrive (at rank 0's)
+                k_free = T.alloc_cluster_barrier([8 * cluster] * num_stages)
+                v_free = T.alloc_cluster_barrier([8 * cluster] * num_stages)
             q_full = T.alloc_barrier([32] * q_stages)  # the Q warp
             q_free = T.alloc_barrier([256] * q_stages)
             # The Q warp hands each item's scalars to the consumers and the K/V warp with its Q tile (their
@@ -331,32 +411,24 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
             slope = T.alloc_fragment((block_M,), accum)
             step = T.alloc_var("int32", init=0)  # KV steps done by this CTA: ring stage and phase
             tx = T.get_thread_binding()
-            items = T.ceildiv(num_tiles * head_groups, num_ctas)  # rounds of work (work_tile)
+            items = T.ceildiv(num_tiles * head_groups, num_clusters)  # rounds of work (work_tile)
 
-            if tx >= 256:  # producer warpgroup: one warp loads K and V, one Q and the item scalars
+            if tx >= 256:  # producer warpgroup: K/V warp(s), and a Q warp that also writes the item scalars
                 T.set_max_nreg(40, 0)  # at 24 the page-id math spills (128 B at 16-row pages)
-                if tx < _WS_Q_WARP * 32:  # warp 8
-                    for w in T.serial(items):
-                        qb = ring_stage(w, q_stages)
-                        T.barrier_wait(q_full[qb], ring_phase(w, q_stages))
-                        steps_p = item_s[qb, _STEPS]
-                        kv_len_p = item_s[qb, _KV_LEN]
-                        kv_head = item_s[qb, _HEAD0] // plan.groups
-                        seq = item_s[qb, _SEQ]
-                        for kt in T.serial(steps_p):
-                            st = ring_stage(step)
-                            phase = ring_phase(step)
-                            blocks = plan.page_ids(BlockTables, seq, kv_len_p, kt)
-                            T.barrier_wait(k_free[st], phase ^ 1)
-                            plan.load_pages(KCache, k_ring, blocks, kv_head, kt, k_full, st)
-                            T.barrier_arrive(k_full[st])
-                            T.barrier_wait(v_free[st], phase ^ 1)
-                            plan.load_pages(VCache, v_ring, blocks, kv_head, kt, v_full, st)
-                            T.barrier_arrive(v_full[st])
-                            step = step + 1
+                k_stream = _KVStream(KCache, k_ring, k_free, k_full)
+                v_stream = _KVStream(VCache, v_ring, v_free, v_full)
+                if tx < _WS_Q_WARP * 32:  # warp 8: K and V, or K alone when a cluster shares them
+                    # (a cluster's stage waits on every CTA's consumers: K's lookahead must not queue
+                    # behind V's slower free slot, 4.5% at (a) on an H200)
+                    kv_rings([k_stream, v_stream] if cluster == 1 else [k_stream], q_full, BlockTables, item_s,
+                             items, rank)
                 elif tx < _WS_Q_WARP * 32 + 32:
                     for w in T.serial(items):
-                        issue_q(Q, q_ring, q_full, q_free, item_s, TileSeq, TileQ0, CumSeqLensQ, SeqLens, cta, tx, w)
+                        issue_q(Q, q_ring, q_full, q_free, item_s, TileSeq, TileQ0, CumSeqLensQ, SeqLens, cid, rank,
+                                tx, w)
+                elif tx < _WS_Q_WARP * 32 + 64:
+                    if cluster > 1:  # warp 10: V
+                        kv_rings([v_stream], q_full, BlockTables, item_s, items, rank)
             else:  # consumer warpgroups: 64 query rows each
                 T.set_max_nreg(232, 1)  # 128 x 40 + 256 x 232 fits the 168 x 384 of the launch
                 for w in T.serial(items):
@@ -388,13 +460,13 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
                             T.wait_wgmma(1)
                         else:
                             T.wait_wgmma(0)
-                        T.barrier_arrive(k_free[st])
+                        release(k_free, st, tx)
                         if use_alibi or (kt + 1) * block_N > pos0 + 1:  # the tile crosses the diagonal
                             plan.mask_scores(acc_s, slope, kt, pos0)
                         plan.softmax_step(acc_s, m_cur, m_prev, rescale, row_sum, denom)
                         T.wait_wgmma(0)
                         if kt > 0:
-                            T.barrier_arrive(v_free[prev])
+                            release(v_free, prev, tx)
                         for i, d in T.Parallel(block_M, head_size):
                             acc_o[i, d] *= rescale[i]
                         T.copy(acc_s, acc_p)
@@ -404,7 +476,7 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
                         if steps * block_N > kv_len:
                             plan.zero_v_tail(v_ring, steps - 1, kv_len, last)
                         T.gemm(acc_p, v_ring[last, :, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
-                        T.barrier_arrive(v_free[last])
+                        release(v_free, last, tx)
                     if tma_out and rows == plan.tokens:
                         # The scores' products, the Q tile's only readers, are done: O goes through it.
                         for i, d in T.Parallel(block_M, head_size):
@@ -417,6 +489,8 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
                     T.tma_store_wait(0)  # the O store's reads of the Q buffer, before handing it back
                     T.barrier_arrive(q_free[qb])
                     step = step + steps
+            if cluster > 1:  # no CTA leaves while the other may still multicast into it or arrive on it
+                T.cluster_sync()
 
     return paged_prefill_ws
 
@@ -472,7 +546,7 @@ def paged_prefill_gather_kernel(num_heads: int, num_kv_heads: int, head_size: in
             slope = T.alloc_fragment((block_M,), accum)
 
             # No branch on idle tiles around the KV loop (it would keep the loads from being pipelined).
-            busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows = plan.tile(
+            _, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows, steps = plan.tile(
                 TileSeq, TileQ0, CumSeqLensQ, SeqLens, tile, head_group)
             plan.load_q(Q, q_s, q_begin, q0, q_len, head0)
             if use_alibi:
@@ -481,7 +555,7 @@ def paged_prefill_gather_kernel(num_heads: int, num_kv_heads: int, head_size: in
             T.fill(denom, 0)
             T.fill(m_cur, -T.infinity(accum))
 
-            for kt in T.Pipelined(plan.kv_steps(busy, pos0, rows), num_stages=num_stages):
+            for kt in T.Pipelined(steps, num_stages=num_stages):
                 if paged:
                     # The page ids are the loop body's leading bindings: the warp-specialization
                     # pass keeps those in the producer branch (read once for K and V, ahead of
@@ -565,6 +639,11 @@ def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, bloc
     gather kernel launches one CTA per query tile and head group."""
     args = (num_heads, num_kv_heads, head_size, block_size, dtype, use_alibi, kv_layout, scale)
     if warp_specialized(dtype, block_size):
+        cluster = config.get("cluster", 1)
+        if cluster > 1:  # a persistent grid holds only the clusters that are resident at once
+            tiles = config.get("block_N", 128), config.get("num_stages", 2), head_size
+            smem = _ws_smem_bytes(_ws_q_stages(*tiles), *tiles)
+            num_ctas = cluster * min(num_ctas // cluster, max_active_clusters(cluster, _WS_THREADS, smem))
         return paged_prefill_ws_kernel(*args, num_ctas=num_ctas, **config)
     return paged_prefill_gather_kernel(*args, **config)
 
@@ -572,7 +651,8 @@ def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, bloc
 def _default_config(head_size: int, dtype: str, block_size: int = 16) -> dict:
     """Tiles that fit shared memory (Q, plus K and V per pipeline stage) and registers."""
     if warp_specialized(dtype, block_size):  # Q + 2 stages of K and V: 160 KB, 192 KB at head_size 256
-        return {"block_N": 64 if head_size == 256 else 128, "num_stages": 2}
+        return {"block_N": 64 if head_size == 256 else 128, "num_stages": 2,
+                "cluster": 2 if block_size >= _MULTICAST_PAGES_FROM else 1}
     # Whole-page (TMA) loads run two stages; the row gathers of smaller pages do not lower with two.
     stages = 2 if block_size >= _PAGE_LOADS_FROM else 1
     if dtype == "float32":
@@ -611,7 +691,7 @@ class PagedAttentionPrefillTileLang:
         block_size = spec.get("block_size", 16)
         if warp_specialized(dtype, block_size):
             # Q plus num_stages x (K and V tiles) within shared memory.
-            return [{"block_N": n, "num_stages": s} for n in (64, 128) for s in (2, 3)
+            return [{"block_N": n, "num_stages": s, "cluster": c} for n in (64, 128) for s in (2, 3) for c in (1, 2)
                     if _ws_smem_fits(1, n, s, head_size)]
         # Two software-pipeline stages do not lower with the row-gather loads (small pages).
         stages = (1, 2) if block_size >= _PAGE_LOADS_FROM else (0, 1)
@@ -654,7 +734,8 @@ class PagedAttentionPrefillTileLang:
         self.kernel = compile_kernel(paged_prefill_kernel(**self.spec, **self.config),
                                      pass_configs={"tl.enable_fast_math": True})
         tile_m = self.config.get("block_M", _WS_BLOCK_M)
-        self.tile_tokens = tile_tokens(num_heads, num_kv_heads, tile_m)
+        # A schedule tile is the query tiles of all CTAs of a cluster (module docstring).
+        self.tile_tokens = tile_tokens(num_heads, num_kv_heads, tile_m) * self.config.get("cluster", 1)
         self.schedule_kernel = compile_kernel(paged_prefill_schedule_kernel(self.tile_tokens))
 
     # ------------------------------------------------------------------ checks

@@ -280,5 +280,7 @@ def test_ws_config_space_builds():
     spec = dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=32, dtype=torch.bfloat16)
     space = PagedAttentionPrefillTileLang.config_space(**dict(spec, dtype="bfloat16"))
     assert {c["num_stages"] for c in space} == {2, 3} and {c["block_N"] for c in space} == {64, 128}
+    assert {c["cluster"] for c in space} == {1, 2}
     for config in space:
-        PagedAttentionPrefillTileLang(**spec, config=config)
+        source = PagedAttentionPrefillTileLang(**spec, config=config).kernel.get_kernel_source()
+        assert ("tma_load_multicast" in source) == (config["cluster"] > 1)  # K/V shared by the cluster pair

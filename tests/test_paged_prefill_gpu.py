@@ -104,7 +104,7 @@ def test_value_checks_on_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("config",
                          PagedAttentionPrefillTileLang.config_space(head_size=64, block_size=32, dtype="bfloat16"),
-                         ids=lambda c: f"N{c['block_N']}-s{c['num_stages']}")
+                         ids=lambda c: f"N{c['block_N']}-s{c['num_stages']}-c{c['cluster']}")
 def test_warp_specialized_configs(config, poisoned):
     """Every config the autotuner may pick, on MQA (8 query heads packed per tile) with long
     histories (the stage ring wraps many times)."""
