@@ -71,10 +71,12 @@ def test_matches_golden_random_ragged(poisoned):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_and_replay():
-    spec = dict(GPU_CASES[0][0], validate=False)
+@pytest.mark.parametrize("block_size", [16, 64])  # one CTA per work item; CTA pairs (cluster launch)
+def test_cuda_graph_capture_and_replay(block_size):
+    spec = dict(GPU_CASES[0][0], block_size=block_size, validate=False)
     op = PagedAttentionPrefillTileLang(**spec)
-    batch = make_batch([40, 0, 129], [7, 3, 200], 8, 2, 128, 16, torch.bfloat16, device="cuda")
+    assert op.config["cluster"] == (1 if block_size == 16 else 2)
+    batch = make_batch([40, 0, 129], [7, 3, 200], 8, 2, 128, block_size, torch.bfloat16, device="cuda")
     out = torch.full_like(batch["q"], float("nan"))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
