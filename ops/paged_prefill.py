@@ -78,12 +78,8 @@ def _ws_smem_bytes(q_tiles: int, block_N: int, num_stages: int, head_size: int) 
 
 
 def _ws_smem_fits(q_tiles: int, block_N: int, num_stages: int, head_size: int) -> bool:
+    """Whether they fit the shared memory a CTA may use."""
     return _ws_smem_bytes(q_tiles, block_N, num_stages, head_size) <= _WS_SMEM_LIMIT
-
-
-def _ws_q_stages(block_N: int, num_stages: int, head_size: int) -> int:
-    """Q buffers: two where they fit, so the producer loads the next item's Q during this one."""
-    return 2 if _ws_smem_fits(2, block_N, num_stages, head_size) else 1
 
 
 def head_pack(num_heads: int, num_kv_heads: int, block_M: int) -> int:
@@ -282,10 +278,13 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
     total_q, num_seqs, num_blocks, max_blocks, num_tiles = plan.dims
     head_groups = num_heads // plan.pack
     accum = "float32"
-    q_stages = _ws_q_stages(block_N, num_stages, head_size)
+    # The producer loads the next item's Q while the consumers work on this one, when two Q tiles fit.
+    q_stages = 2 if _ws_smem_fits(2, block_N, num_stages, head_size) else 1
     # Full tiles stage O in their Q buffer and store it by TMA, split over the 8 consumer warps.
     tma_out = plan.tokens % 8 == 0
-    num_clusters = num_ctas // cluster
+    # A persistent grid of clusters holds only those resident at once (one CTA per SM).
+    num_clusters = num_ctas if cluster == 1 else min(num_ctas // cluster, max_active_clusters(
+        cluster, _WS_THREADS, _ws_smem_bytes(q_stages, block_N, num_stages, head_size)))
     multicast = (1 << cluster) - 1 if cluster > 1 else None  # the CTAs a K/V copy lands in
 
     def ring_stage(i, depth=num_stages):
@@ -635,15 +634,10 @@ def paged_prefill_schedule_kernel(tokens: int, threads: int = 256):
 def paged_prefill_kernel(num_heads: int, num_kv_heads: int, head_size: int, block_size: int, dtype: str,
                          use_alibi: bool, kv_layout: str, scale: float, num_ctas: int, **config):
     """The kernel of a specialization (`warp_specialized` picks the family) with its config.
-    `num_ctas` (the device's SM count) is the persistent grid of the warp-specialized kernel; the
+    `num_ctas` (the device's SM count) bounds the persistent grid of the warp-specialized kernel; the
     gather kernel launches one CTA per query tile and head group."""
     args = (num_heads, num_kv_heads, head_size, block_size, dtype, use_alibi, kv_layout, scale)
     if warp_specialized(dtype, block_size):
-        cluster = config.get("cluster", 1)
-        if cluster > 1:  # a persistent grid holds only the clusters that are resident at once
-            tiles = config.get("block_N", 128), config.get("num_stages", 2), head_size
-            smem = _ws_smem_bytes(_ws_q_stages(*tiles), *tiles)
-            num_ctas = cluster * min(num_ctas // cluster, max_active_clusters(cluster, _WS_THREADS, smem))
         return paged_prefill_ws_kernel(*args, num_ctas=num_ctas, **config)
     return paged_prefill_gather_kernel(*args, **config)
 
