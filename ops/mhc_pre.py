@@ -205,6 +205,9 @@ def mhc_pre_fused_kernel(n: int, D: int, rms_eps: float, hc_eps: float, x_slots:
             tx = T.get_thread_binding()
             d_base = rank * Ds
             my_tiles = T.ceildiv(num_tiles - cid, clusters)  # tiles cid, cid + clusters, ...
+            # TileLang launches clusters with programmatic stream serialization allowed, so this grid may
+            # start before the phi split kernel has finished; only this wait makes its output visible.
+            T.pdl_sync()
 
             if tx >= 128:  # producer warpgroup: one warp loads x chunks, one phi's, each in ring order
                 T.set_max_nreg(24, 0)

@@ -411,6 +411,11 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
             step = T.alloc_var("int32", init=0)  # KV steps done by this CTA: ring stage and phase
             tx = T.get_thread_binding()
             items = T.ceildiv(num_tiles * head_groups, num_clusters)  # rounds of work (work_tile)
+            if cluster > 1:
+                # TileLang launches clusters with programmatic stream serialization allowed, so this grid
+                # may start before the stream's previous kernel (the schedule, or the caller's writes of
+                # Q / K / V) has finished; only this wait makes their results visible.
+                T.pdl_sync()
 
             if tx >= 256:  # producer warpgroup: K/V warp(s), and a Q warp that also writes the item scalars
                 T.set_max_nreg(40, 0)  # at 24 the page-id math spills (128 B at 16-row pages)

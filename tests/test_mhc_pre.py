@@ -116,6 +116,8 @@ def test_compiles_for_sm90a(n, D):
     if _runtime.target()["arch"].startswith("sm_90"):
         assert "wgmma" in src, "expected Hopper tensor-core MMA"
         assert op._fused is None or "tma_store_cluster" in src, "expected the cluster exchange"
+        # cluster launches allow programmatic dependent launch: the phi split must be waited for
+        assert op._fused is None or "cudaGridDependencySynchronize" in src
 
 
 @pytest.mark.compile

@@ -284,3 +284,5 @@ def test_ws_config_space_builds():
     for config in space:
         source = PagedAttentionPrefillTileLang(**spec, config=config).kernel.get_kernel_source()
         assert ("tma_load_multicast" in source) == (config["cluster"] > 1)  # K/V shared by the cluster pair
+        # a cluster launch allows programmatic dependent launch: the schedule kernel must be waited for
+        assert ("cudaGridDependencySynchronize" in source) == (config["cluster"] > 1)
