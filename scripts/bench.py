@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import pathlib
+import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
@@ -40,6 +41,16 @@ class Bench:
     def time(self, fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
         """Median milliseconds over device-event timings, after warm-up."""
         return self._do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+    def time_many(self, fns: dict, rounds: int = 3) -> dict:
+        """{name: median ms} of competing implementations, timed in interleaved rounds whose order rotates:
+        a GPU at its power cap clocks each run by what ran just before it, so none is always timed first."""
+        names = list(fns)
+        times = {n: [] for n in names}
+        for r in range(rounds):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                times[n].append(self.time(fns[n]))
+        return {n: statistics.median(t) for n, t in times.items()}
 
     def row(self, op: str, workload: str, impl: str, ms: float, bytes: float | None = None,
             flops: float | None = None, ours: bool = False) -> dict:

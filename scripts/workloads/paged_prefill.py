@@ -54,9 +54,9 @@ def demo_cases(device: str) -> list[dict]:
     }]
 
 
-def _sdpa_peers(b, workload, q_lens, histories, batch, flops):
-    """SDPA on the same data stored contiguously ([B, H, S, D], K/V heads expanded), per backend;
-    returns the best ms. Equal-length sequences only."""
+def _sdpa_peers(workload, q_lens, histories, batch):
+    """{backend name: callable} running SDPA on the same data stored contiguously ([B, H, S, D], K/V heads
+    expanded), for each backend that can run this case. Equal-length sequences only."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
@@ -65,19 +65,18 @@ def _sdpa_peers(b, workload, q_lens, histories, batch, flops):
     kv = [torch.stack([gather_kv(batch[c], batch["block_tables"][s], kv_len) for s in range(n)])
           .repeat_interleave(H // HKV, dim=2).transpose(1, 2).contiguous() for c in ("k_cache", "v_cache")]
     mask = {} if histories[0] == 0 else {"attn_mask": causal_lower_right(q_len, kv_len)}
-    best = None
+    peers = {}
     for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
         def run(backend=backend):
             with sdpa_kernel([backend]):
                 return torch.nn.functional.scaled_dot_product_attention(q, *kv, is_causal=not mask, **mask)
         try:
-            ms = b.time(run)
+            run()
         except RuntimeError as e:  # a backend that cannot run this case is reported, not fatal
             print(f"{workload}: {name} unavailable ({str(e).splitlines()[0][:80]})")
             continue
-        b.row(OP, workload, name, ms, flops=flops)
-        best = ms if best is None else min(best, ms)
-    return best
+        peers[name] = run
+    return peers
 
 
 def bench(b):
@@ -89,11 +88,16 @@ def bench(b):
         op = PagedAttentionPrefillTileLang(H, HKV, D, block_size, torch.bfloat16, validate=False)
         flops = causal_flops(q_lens, histories)
         out = torch.empty_like(batch["q"])
-        ms = b.time(lambda: op(**batch, out=out))
+        fns = {"tilelang": lambda: op(**batch, out=out)}
+        if peers:
+            fns.update(_sdpa_peers(workload, q_lens, histories, batch))
+        times = b.time_many(fns)
+        ms = times.pop("tilelang")
         b.row(OP, workload, "tilelang", ms, flops=flops, ours=True)
+        for name, peer_ms in times.items():
+            b.row(OP, workload, name, peer_ms, flops=flops)
         tflops[workload] = flops / ms * 1e-9
-        best = _sdpa_peers(b, workload, q_lens, histories, batch, flops) if peers else None
-        return ms, best
+        return ms, min(times.values(), default=None)
 
     n, new = (1, 1024) if quick else (4, 4096)
     wa = f"(a) {n}x{new} new, no history, bs64"
