@@ -317,12 +317,10 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_size: int, b
     def claim(free, full, st, phase, rank):
         # The K/V warp may fill stage st (rank 0: released in every CTA) or, on the other ranks, expect
         # its next fill (its previous fill has landed, so this arrival counts toward the next phase).
-        if cluster == 1:
-            T.barrier_wait(free[st], phase ^ 1)
-        elif rank == 0:
-            T.barrier_wait(free[st], phase ^ 1)
-        else:
+        if cluster > 1 and rank != 0:
             T.barrier_wait(full[st], phase ^ 1)
+        else:
+            T.barrier_wait(free[st], phase ^ 1)
 
     @T.macro
     def kv_rings(streams, q_full, BlockTables, item_s, items, rank):
