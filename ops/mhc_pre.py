@@ -7,7 +7,11 @@ phi's chunks (from L2) into a shallower ring; the consumer warpgroup accumulates
 x @ phi^T on bf16 tensor cores (phi split into bf16 hi + lo parts: ~16 mantissa bits, more than TF32)
 and the sum of squares, exchanges partials with the other 15 CTAs through distributed shared memory
 (a reduce-scatter, then an all-gather of h_pre), and writes h_in = sum_i h_pre[i] * x[i, :] from the
-chunks still in shared memory. Clusters are persistent, as many as the GPU holds at once.
+chunks still in shared memory. Clusters are persistent, as many as the GPU holds at once. That leaves SMs
+idle (20 of an H100's or H200's 132: 7 clusters of 16 fit), so at large token counts the last tokens
+(`side_tokens`) go to a side kernel (`mhc_pre_mix` with `apply`: one CTA per 128-token tile, x read twice)
+on those SMs. It is launched right behind the single pass, which lets it start at once (programmatic
+dependent launch: the single pass triggers at its start).
 
 Two kernels (other shapes; x is read twice):
 1. `mhc_pre_mix`: per tile of `block_t` tokens, the full n*D reduction, pipelined over K, with the sum
@@ -18,11 +22,14 @@ Two kernels (other shapes; x is read twice):
 import torch
 
 from ._runtime import (check_choice, check_int, check_tensor, compile_kernel, max_active_clusters,
-                       resolve_config)
+                       resolve_config, sm_count)
 
 import tilelang.language as T  # noqa: E402  (after _runtime set the cache dir)
 
 _D_PAD = 256  # phi's split copy pads D to a multiple of this, so every K-chunk reads in bounds
+_SIDE_D = 64  # columns per h_in chunk of the side kernel
+_MIX_CONFIG = {"block_t": 128, "block_k": 128, "num_stages": 2, "threads": 256}  # measured best (H200)
+_SIDE_ROUND_COST = 11650  # tokens of the single pass as long as one side tile (x read twice) on an idle SM
 
 
 def _round_up(v: int, m: int) -> int:
@@ -62,7 +69,10 @@ def mhc_phi_split_kernel(n: int, D: int, block_d: int = _D_PAD, threads: int = 1
 
 
 def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
-                       block_t: int = 128, block_k: int = 128, num_stages: int = 2, threads: int = 256):
+                       block_t: int = 128, block_k: int = 128, num_stages: int = 2, threads: int = 256,
+                       apply: bool = False):
+    """Per tile of `block_t` tokens: h_pre, h_post, h_res and inv_rms; with `apply` also h_in, from x read
+    a second time (the side kernel of the single pass, see MHCForwardPreTileLang)."""
     N, NG = n * n + 2 * n, phi_split_rows(n)
     d_chunks = _round_up(D, _D_PAD) // block_k  # phi's copy is padded with zeros past D
     num_tokens = T.dynamic("num_tokens")
@@ -78,6 +88,7 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
         HRes: T.Tensor((num_tokens, n * n), "float32"),
         InvRms: T.Tensor((num_tokens,), "float32"),
         HPre: T.Tensor((num_tokens, n), "float32"),
+        HIn: T.Tensor((num_tokens, D), "bfloat16"),  # written only with `apply`
     ):
         with T.Kernel(T.ceildiv(num_tokens, block_t), threads=threads) as bx:
             xs = T.alloc_shared((block_t, block_k), "bfloat16")
@@ -124,6 +135,19 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
                         HPost[t0 + t, r - n] = 2 * T.sigmoid(Alpha[1] * inv_rms * mix_s[t, r] + Bias[r])
                     else:
                         HRes[t0 + t, r - 2 * n] = Alpha[2] * inv_rms * mix_s[t, r] + Bias[r]
+            if apply:
+                hpre_s = T.alloc_shared((block_t, n), "float32")
+                x_f = T.alloc_fragment((n, block_t, _SIDE_D), "bfloat16")
+                out_f = T.alloc_fragment((block_t, _SIDE_D), "float32")
+                out = T.alloc_fragment((block_t, _SIDE_D), "bfloat16")
+                T.sync_threads()  # this CTA's h_pre stores are visible to all its threads
+                T.copy(HPre[t0:t0 + block_t, :], hpre_s)
+                for c in T.serial(T.ceildiv(D, _SIDE_D)):
+                    _apply_tile(X, hpre_s, x_f, out_f, out, HIn, t0, c * _SIDE_D, n, block_t, _SIDE_D)
+                # Launched right behind the single pass, whose CTAs let it start early (T.pdl_trigger);
+                # this wait (for the single pass to finish, with nothing left to do) is what makes TileLang
+                # launch it that way.
+                T.pdl_sync()
 
     return mhc_pre_mix
 
@@ -208,6 +232,8 @@ def mhc_pre_fused_kernel(n: int, D: int, rms_eps: float, hc_eps: float, x_slots:
             # TileLang launches clusters with programmatic stream serialization allowed, so this grid may
             # start before the phi split kernel has finished; only this wait makes its output visible.
             T.pdl_sync()
+            # The side kernel launched behind this one (other tokens, on the SMs no cluster took) may start.
+            T.pdl_trigger()
 
             if tx >= 128:  # producer warpgroup: one warp loads x chunks, one phi's, each in ring order
                 T.set_max_nreg(24, 0)
@@ -309,6 +335,15 @@ def mhc_pre_fused_kernel(n: int, D: int, rms_eps: float, hc_eps: float, x_slots:
     return mhc_pre_fused
 
 
+def side_tokens(tokens: int, idle_sms: int) -> int:
+    """Tokens the side kernel takes beside the single pass: whole rounds of one tile per idle SM, as many
+    as keep both ending together. A round costs as long as the single pass takes for _SIDE_ROUND_COST
+    tokens (H200, n=4, D=4096 and 2048, 16384 tokens: 316.8 -> 276.5 us with one round; at 8192 tokens a
+    round made it slower, 168.9 -> 225.1 us). Both times scale with D, so the ratio holds across D."""
+    per_round = idle_sms * _MIX_CONFIG["block_t"]
+    return tokens // (per_round + _SIDE_ROUND_COST) * per_round if per_round > 0 else 0
+
+
 def mhc_pre_apply_kernel(n: int, D: int, block_t: int = 16, block_d: int = 256, threads: int = 128):
     num_tokens = T.dynamic("num_tokens")
 
@@ -325,17 +360,23 @@ def mhc_pre_apply_kernel(n: int, D: int, block_t: int = 16, block_d: int = 256, 
             out = T.alloc_fragment((block_t, block_d), "bfloat16")
             t0, d0 = bt * block_t, bd * block_d
 
-            for i in T.unroll(n):  # every stream's loads in flight before the first use
-                T.copy(X[t0:t0 + block_t, i, d0:d0 + block_d], x_f[i, :, :])
             T.copy(HPre[t0:t0 + block_t, :], hpre_s)
-            T.clear(out_f)
-            for i in T.unroll(n):
-                for t, d in T.Parallel(block_t, block_d):
-                    out_f[t, d] += hpre_s[t, i] * T.cast(x_f[i, t, d], "float32")
-            T.copy(out_f, out)
-            T.copy(out, HIn[t0:t0 + block_t, d0:d0 + block_d])
+            _apply_tile(X, hpre_s, x_f, out_f, out, HIn, t0, d0, n, block_t, block_d)
 
     return mhc_pre_apply
+
+
+@T.macro
+def _apply_tile(X, hpre_s, x_f, out_f, out, HIn, t0, d0, n, block_t, block_d):
+    """h_in[t0:t0 + block_t, d0:d0 + block_d] = sum_i h_pre[:, i] * x[:, i, d0:d0 + block_d]."""
+    for i in T.unroll(n):  # every stream's loads in flight before the first use
+        T.copy(X[t0:t0 + block_t, i, d0:d0 + block_d], x_f[i, :, :])
+    T.clear(out_f)
+    for i in T.unroll(n):
+        for t, d in T.Parallel(block_t, block_d):
+            out_f[t, d] += hpre_s[t, i] * T.cast(x_f[i, t, d], "float32")
+    T.copy(out_f, out)
+    T.copy(out, HIn[t0:t0 + block_t, d0:d0 + block_d])
 
 
 class MHCForwardPreTileLang:
@@ -345,7 +386,8 @@ class MHCForwardPreTileLang:
     B and S are free at call time (one compiled kernel serves any number of tokens); n and D are fixed
     at construction. ``return_aux=True`` also returns inv_rms [B, S] and h_pre [B, S, n] (fp32), which
     the backward needs. The matmul runs on bf16 tensor cores with phi split into hi + lo bf16 parts.
-    Shapes where the single pass measured faster (`fused_fits`) run it; the others run the two kernels.
+    Shapes where the single pass measured faster (`fused_fits`) run it (with the side kernel beside it at
+    large token counts); the others run the two kernels.
     The config keys differ accordingly (`default_config`).
     """
 
@@ -354,7 +396,7 @@ class MHCForwardPreTileLang:
     @staticmethod
     def default_config(n: int, D: int) -> dict:
         if not fused_fits(n, D):
-            return {"block_t": 128, "block_k": 128, "num_stages": 2, "threads": 256}
+            return dict(_MIX_CONFIG)
         # 8 phi stages (its chunks come from L2; depth measured to matter more than x's slack), then up
         # to a tile of slack for the next tile's x.
         Q = fused_chunks(n, D)
@@ -401,9 +443,10 @@ class MHCForwardPreTileLang:
             check_choice("config['threads']", self.config["threads"], _thread_choices(self.config["block_t"]))
         self._split = compile_kernel(mhc_phi_split_kernel(n, D))
         self._phi_parts = {}
-        self._fused = self._mix = self._apply = None
+        self._fused = self._mix = self._apply = self._side = None
         if fused:
             self._fused = compile_kernel(mhc_pre_fused_kernel(**self.spec, **self.config))
+            self._side = compile_kernel(mhc_pre_mix_kernel(**self.spec, **_MIX_CONFIG, apply=True))
         else:
             self._mix = compile_kernel(mhc_pre_mix_kernel(**self.spec, **self.config))
             self._apply = compile_kernel(mhc_pre_apply_kernel(n, D))
@@ -440,9 +483,19 @@ class MHCForwardPreTileLang:
         B, S, n, D = x.shape
         head = (x.view(B * S, n, D), *self._split_phi(phi), alpha, bias)
         if self._fused is None:
-            return head + outs[1:]
+            return head + outs[1:] + outs[:1]
         # One CTA per SM whatever its shared memory: 256 threads of up to 240 registers fill the file.
         return head + outs + (max_active_clusters(_CLUSTER, 256, _SMEM_BUDGET, x.device.index),)
+
+    def _launch_fused(self, x2, hi, lo, alpha, bias, h_in, h_post, h_res, inv_rms, h_pre, clusters):
+        """The single pass over the first tokens and the side kernel over the last ones (`side_tokens`), on
+        the SMs that no cluster takes."""
+        tokens = x2.shape[0]
+        side = side_tokens(tokens, sm_count(x2.device) - _CLUSTER * clusters)
+        m = tokens - side
+        self._fused(x2[:m], hi, lo, alpha, bias, h_in[:m], h_post[:m], h_res[:m], inv_rms[:m], h_pre[:m], clusters)
+        if side:
+            self._side(x2[m:], hi, lo, alpha, bias, h_post[m:], h_res[m:], inv_rms[m:], h_pre[m:], h_in[m:])
 
     def tune_args(self, x, phi, alpha, bias):
         """Arguments of the tunable kernel (``tunable_kernel``) for these inputs."""
@@ -456,7 +509,7 @@ class MHCForwardPreTileLang:
         args = self._kernel_args(x, phi, alpha, bias, outs)
         if B * S:
             if self._fused is not None:
-                self._fused(*args)
+                self._launch_fused(*args)
             else:
                 self._mix(*args)
                 self._apply(args[0], h_pre, h_in)

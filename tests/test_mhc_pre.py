@@ -118,6 +118,20 @@ def test_compiles_for_sm90a(n, D):
         assert op._fused is None or "tma_store_cluster" in src, "expected the cluster exchange"
         # cluster launches allow programmatic dependent launch: the phi split must be waited for
         assert op._fused is None or "cudaGridDependencySynchronize" in src
+        if op._fused is not None:  # the side kernel starts behind the single pass's trigger
+            assert "cudaTriggerProgrammaticLaunchCompletion" in src
+            assert "cudaGridDependencySynchronize" in op._side.get_kernel_source()
+
+
+def test_side_tokens_whole_rounds_that_end_with_the_single_pass():
+    """One tile per idle SM per round, only as many rounds as the single pass outlasts."""
+    from ops.mhc_pre import side_tokens
+    assert side_tokens(16384, 0) == 0  # no idle SM
+    assert side_tokens(8192, 20) == 0  # a round would outlast the single pass
+    assert side_tokens(16384, 20) == 20 * 128
+    for tokens in (1, 3, 1000, 16384, 50000, 1 << 20):
+        side = side_tokens(tokens, 20)
+        assert side % (20 * 128) == 0 and 0 <= side < tokens
 
 
 @pytest.mark.compile
@@ -158,10 +172,11 @@ def test_disk_cache_hit_in_fresh_process(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,D", [(1, 1032), (1, 16384), (2, 520), (2, 8192), (4, 2048), (4, 4096), (4, 7168),
                                  (8, 1024)])
-@pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 500), (4, 4096)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 500), (4, 4096), (3, 5001)])
 def test_compiled_matches_golden(n, D, shape, poisoned):
     """Both kernel families: (1, 16384), (2, 8192), (4, 2048) and (4, 4096) run the single-pass kernel
-    (4 x 4096 tokens is many tiles per persistent cluster), the others the two kernels."""
+    (4 x 4096 tokens is many tiles per persistent cluster), the others the two kernels. From 4 x 4096
+    tokens the side kernel takes the last ones; with 3 x 5001 the single pass ends mid-tile there."""
     op = MHCForwardPreTileLang(*shape, n, D)
     x, phi, alpha, bias = random_inputs(*shape, n, D, device="cuda")
     ref = mhc_forward_pre(x.double(), phi.double(), alpha.double(), bias.double(), return_aux=True)
