@@ -478,8 +478,8 @@ class MHCForwardPreTileLang:
                 torch.empty(B * S, n * n, **f32), torch.empty(B * S, **f32), torch.empty(B * S, n, **f32))
 
     def _kernel_args(self, x, phi, alpha, bias, outs):
-        """Arguments of the tunable kernel: the fused kernel takes all outputs and the cluster count,
-        the mix kernel all but h_in."""
+        """Arguments of the tunable kernel: the fused kernel takes all outputs and the cluster count, the mix
+        kernel all outputs with h_in last (it writes h_in only as the side kernel)."""
         B, S, n, D = x.shape
         head = (x.view(B * S, n, D), *self._split_phi(phi), alpha, bias)
         if self._fused is None:
