@@ -28,7 +28,9 @@ import tilelang.language as T  # noqa: E402  (after _runtime set the cache dir)
 
 _D_PAD = 256  # phi's split copy pads D to a multiple of this, so every K-chunk reads in bounds
 _SIDE_D = 64  # columns per h_in chunk of the side kernel
-_MIX_CONFIG = {"block_t": 128, "block_k": 128, "num_stages": 2, "threads": 256}  # measured best (H200)
+_MIX_CONFIG = {"block_t": 128, "block_k": 128, "num_stages": 3, "threads": 256}  # measured best (H200)
+# The side kernel is not the critical path: a shallower ring leaves more bandwidth to the single pass.
+_SIDE_CONFIG = dict(_MIX_CONFIG, num_stages=2)
 _SIDE_ROUND_COST = 11650  # tokens of the single pass as long as one side tile (x read twice) on an idle SM
 
 
@@ -102,22 +104,23 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
             t0 = bx * block_t
 
             T.clear(acc)
-            T.clear(sumsq)
+            T.clear(sq)
             for kc in T.Pipelined(n * d_chunks, num_stages=num_stages):
                 i, d0 = kc // d_chunks, (kc % d_chunks) * block_k
                 T.copy(X[t0:t0 + block_t, i, d0:d0 + block_k], xs)
                 T.copy(PhiHi[:, i, d0:d0 + block_k], hi_s)
                 T.copy(PhiLo[:, i, d0:d0 + block_k], lo_s)
-                # The sum of squares first: TileLang releases xs to the TMA producer after its last
-                # reader, and the shared loads here must have returned by then (the reduction consumes
-                # them before the products; read last, ptxas may release with loads in flight and the
-                # next tile's TMA write can overtake them, see docs/perf.md, mHC backward).
+                # The squares first: TileLang releases xs to the TMA producer after its last reader, and
+                # the shared loads here must have returned by then (the sums consume them before the
+                # products; read last, ptxas may release with loads in flight and the next tile's TMA
+                # write can overtake them, see docs/perf.md, mHC backward). Summed per element, reduced
+                # over the row once after the loop (a reduction per chunk made the kernel issue-bound).
                 for t, k in T.Parallel(block_t, block_k):
-                    sq[t, k] = T.cast(xs[t, k], "float32") * T.cast(xs[t, k], "float32")
-                T.reduce_sum(sq, sumsq, dim=1, clear=False)
+                    sq[t, k] += T.cast(xs[t, k], "float32") * T.cast(xs[t, k], "float32")
                 # Warps split the tokens only, so each wgmma spans all NG columns.
                 T.gemm(xs, hi_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(xs, lo_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            T.reduce_sum(sq, sumsq, dim=1)
 
             # Through shared memory: the epilogue pairs each h_mix entry with its token's sum of squares.
             T.copy(acc, mix_s)
@@ -340,7 +343,7 @@ def side_tokens(tokens: int, idle_sms: int) -> int:
     as keep both ending together. A round costs as long as the single pass takes for _SIDE_ROUND_COST
     tokens (H200, n=4, D=4096 and 2048, 16384 tokens: 316.8 -> 276.5 us with one round; at 8192 tokens a
     round made it slower, 168.9 -> 225.1 us). Both times scale with D, so the ratio holds across D."""
-    per_round = idle_sms * _MIX_CONFIG["block_t"]
+    per_round = idle_sms * _SIDE_CONFIG["block_t"]
     return tokens // (per_round + _SIDE_ROUND_COST) * per_round if per_round > 0 else 0
 
 
@@ -446,7 +449,7 @@ class MHCForwardPreTileLang:
         self._fused = self._mix = self._apply = self._side = None
         if fused:
             self._fused = compile_kernel(mhc_pre_fused_kernel(**self.spec, **self.config))
-            self._side = compile_kernel(mhc_pre_mix_kernel(**self.spec, **_MIX_CONFIG, apply=True))
+            self._side = compile_kernel(mhc_pre_mix_kernel(**self.spec, **_SIDE_CONFIG, apply=True))
         else:
             self._mix = compile_kernel(mhc_pre_mix_kernel(**self.spec, **self.config))
             self._apply = compile_kernel(mhc_pre_apply_kernel(n, D))
