@@ -70,6 +70,12 @@ def mhc_phi_split_kernel(n: int, D: int, block_d: int = _D_PAD, threads: int = 1
     return mhc_phi_split
 
 
+def mix_smem_bytes(n: int, block_t: int, block_k: int, num_stages: int, **_) -> int:
+    """Shared memory of `mhc_pre_mix`: the x tile and phi's two parts, once per pipeline stage (TileLang
+    overlays the epilogue's buffers on them; checked against its allocation)."""
+    return num_stages * (block_t + 2 * phi_split_rows(n)) * block_k * 2
+
+
 def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
                        block_t: int = 128, block_k: int = 128, num_stages: int = 2, threads: int = 256,
                        apply: bool = False):
@@ -413,7 +419,8 @@ class MHCForwardPreTileLang:
             return [dict(x_slots=r, phi_stages=s) for r in (Q, Q + 1, Q + 2) for s in range(2, 9)
                     if fused_smem_bytes(n, r, s) <= _SMEM_BUDGET]
         return [dict(block_t=bt, block_k=bk, num_stages=st, threads=th)
-                for bt in (64, 128) for bk in (64, 128) for st in (2, 3, 4) for th in _thread_choices(bt)]
+                for bt in (64, 128) for bk in (64, 128) for st in (2, 3, 4) for th in _thread_choices(bt)
+                if mix_smem_bytes(n, bt, bk, st) <= _SMEM_BUDGET]
 
     @property
     def tunable_kernel(self):
@@ -436,14 +443,15 @@ class MHCForwardPreTileLang:
             check_int("config['x_slots']", self.config["x_slots"], lo=fused_chunks(n, D))
             check_int("config['phi_stages']", self.config["phi_stages"], lo=2)
             smem = fused_smem_bytes(n, **self.config)
-            if smem > _SMEM_BUDGET:
-                raise ValueError(f"config: expected x_slots and phi_stages within {_SMEM_BUDGET} bytes of "
-                                 f"shared memory, got {self.config} needing {smem}")
         else:
             check_int("config['block_t']", self.config["block_t"], lo=64, hi=128, multiple_of=64)
             check_int("config['block_k']", self.config["block_k"], lo=64, hi=_D_PAD, multiple_of=64)
             check_int("config['num_stages']", self.config["num_stages"], lo=1, hi=4)
             check_choice("config['threads']", self.config["threads"], _thread_choices(self.config["block_t"]))
+            smem = mix_smem_bytes(n, **self.config)
+        if smem > _SMEM_BUDGET:
+            raise ValueError(f"config: expected a config within {_SMEM_BUDGET} bytes of shared memory, "
+                             f"got {self.config} needing {smem}")
         self._split = compile_kernel(mhc_phi_split_kernel(n, D))
         self._phi_parts = {}
         self._fused = self._mix = self._apply = self._side = None

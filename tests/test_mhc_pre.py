@@ -73,6 +73,7 @@ def test_golden_aux_outputs():
     (dict(D=4096, config={"block_t": 64}), ValueError, "unknown keys"),  # the single-pass kernel's keys
     (dict(D=4096, config={"x_slots": 15}), ValueError, r"config\['x_slots'\]: expected >= 16"),
     (dict(D=4096, config={"x_slots": 20, "phi_stages": 8}), ValueError, "bytes of shared memory"),
+    (dict(n=8, config={"num_stages": 4}), ValueError, "bytes of shared memory"),  # 80 phi rows per stage
 ])
 def test_constructor_validation(kwargs, err, match):
     args = dict(B=1, S=1, n=4, D=64)
@@ -121,6 +122,15 @@ def test_compiles_for_sm90a(n, D):
         if op._fused is not None:  # the side kernel starts behind the single pass's trigger
             assert "cudaTriggerProgrammaticLaunchCompletion" in src
             assert "cudaGridDependencySynchronize" in op._side.get_kernel_source()
+
+
+def test_mix_config_space_fits_shared_memory():
+    """Every offered two-kernel config fits (n=8 has 80 phi rows per stage: 4 stages of 128 x 128 do not)."""
+    from ops.mhc_pre import _SMEM_BUDGET, mix_smem_bytes
+    space = MHCForwardPreTileLang.config_space(8, 1024)
+    assert space and all(mix_smem_bytes(8, **c) <= _SMEM_BUDGET for c in space)
+    assert dict(block_t=128, block_k=128, num_stages=4, threads=256) not in space
+    assert mix_smem_bytes(8, 128, 128, 3) == 221184  # TileLang's allocation for that kernel
 
 
 def test_side_tokens_whole_rounds_that_end_with_the_single_pass():
