@@ -132,6 +132,7 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
             T.copy(acc, mix_s)
             for t in T.Parallel(block_t):
                 sumsq_s[t] = sumsq[t]
+            hpre_s = T.alloc_shared((block_t, n), "float32") if apply else None  # h_pre kept for h_in
             T.sync_threads()
             for t, r in T.Parallel(block_t, NG):
                 if t0 + t < num_tokens and r < N:
@@ -139,18 +140,19 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
                     if r == 0:
                         InvRms[t0 + t] = inv_rms
                     if r < n:
-                        HPre[t0 + t, r] = T.sigmoid(Alpha[0] * inv_rms * mix_s[t, r] + Bias[r]) + hc_eps
+                        h_pre = T.sigmoid(Alpha[0] * inv_rms * mix_s[t, r] + Bias[r]) + hc_eps
+                        HPre[t0 + t, r] = h_pre
+                        if apply:
+                            hpre_s[t, r] = h_pre
                     elif r < 2 * n:
                         HPost[t0 + t, r - n] = 2 * T.sigmoid(Alpha[1] * inv_rms * mix_s[t, r] + Bias[r])
                     else:
                         HRes[t0 + t, r - 2 * n] = Alpha[2] * inv_rms * mix_s[t, r] + Bias[r]
             if apply:
-                hpre_s = T.alloc_shared((block_t, n), "float32")
                 x_f = T.alloc_fragment((n, block_t, _SIDE_D), "bfloat16")
                 out_f = T.alloc_fragment((block_t, _SIDE_D), "float32")
                 out = T.alloc_fragment((block_t, _SIDE_D), "bfloat16")
-                T.sync_threads()  # this CTA's h_pre stores are visible to all its threads
-                T.copy(HPre[t0:t0 + block_t, :], hpre_s)
+                T.sync_threads()  # hpre_s is complete
                 for c in T.serial(T.ceildiv(D, _SIDE_D)):
                     _apply_tile(X, hpre_s, x_f, out_f, out, HIn, t0, c * _SIDE_D, n, block_t, _SIDE_D)
                 # Launched right behind the single pass, whose CTAs let it start early (T.pdl_trigger);
