@@ -116,13 +116,14 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
                 T.copy(X[t0:t0 + block_t, i, d0:d0 + block_k], xs)
                 T.copy(PhiHi[:, i, d0:d0 + block_k], hi_s)
                 T.copy(PhiLo[:, i, d0:d0 + block_k], lo_s)
-                # The squares first: TileLang releases xs to the TMA producer after its last reader, and
-                # the shared loads here must have returned by then (the sums consume them before the
-                # products; read last, ptxas may release with loads in flight and the next tile's TMA
-                # write can overtake them, see docs/perf.md, mHC backward). Summed per element, reduced
-                # over the row once after the loop (a reduction per chunk made the kernel issue-bound).
+                # The squares first, then a proxy fence: TileLang releases xs to the TMA producer after its
+                # last reader (the products), and ptxas may issue that release with these shared loads
+                # still in flight; the fence orders them before the next tile's TMA write (docs/perf.md,
+                # mHC backward). Summed per element, reduced over the row once after the loop (a
+                # reduction per chunk made the kernel issue-bound).
                 for t, k in T.Parallel(block_t, block_k):
                     sq[t, k] += T.cast(xs[t, k], "float32") * T.cast(xs[t, k], "float32")
+                T.fence_proxy_async()
                 # Warps split the tokens only, so each wgmma spans all NG columns.
                 T.gemm(xs, hi_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(xs, lo_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)

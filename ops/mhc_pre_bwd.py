@@ -29,9 +29,10 @@ is still read. Hence the grad kernel's per-token coefficients [c, h_pre] come as
 TileLang releases a TMA tile to its producer right after the tile's last reader, and ptxas may issue
 that release while shared loads of the tile are still in flight if their values are only used later
 (the next tile's TMA write then overtakes them: wrong values, timing-dependent; see docs/perf.md). So
-register-only readers of a TMA tile (the stats kernel's dots) run before the tile's tensor-core products,
-and the pipelined grad kernel's epilogue ends in stores (the warp-specialized one hands a stage back
-only after a barrier and its TMA stores' reads).
+the stats kernel's register-only readers of its tiles (the dots) end in a proxy fence
+(`fence.proxy.async`: generic-proxy accesses ordered before later async-proxy ones, such as the next
+tile's TMA write) placed before every release, and the pipelined grad kernel's epilogue ends in stores
+(the warp-specialized one hands a stage back only after a barrier and its TMA stores' reads).
 
 Token reductions (grad_phi over token groups, grad_bias, grad_alpha over tokens) are sums of per-CTA /
 per-token partials in a fixed order: bitwise reproducible, no float atomics.
@@ -119,11 +120,14 @@ def mhc_pre_bwd_stats_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: 
                     T.copy(PhiHL[:, i * Dp + d0:i * Dp + d0 + block_d], phs[i])
                 if has_g_in:
                     T.copy(GIn[t0:t0 + block_t, d0:d0 + block_d], gs)
-                    # The dots before the products, so that their shared loads have returned when the
-                    # products end and TileLang releases the tiles to the producer (module docstring).
-                    for i in streams:
-                        for t, d in T.Parallel(block_t, block_d):
-                            dots[i][t, d] += T.cast(xs[i][t, d], "float32") * T.cast(gs[t, d], "float32")
+                    # The dots and then a proxy fence, before any tile's release (module docstring). The
+                    # loop of one makes them one statement: TileLang releases gs right after its last
+                    # reader, which would otherwise put the release between the dots and the fence.
+                    for _ in T.serial(1):
+                        for i in streams:
+                            for t, d in T.Parallel(block_t, block_d):
+                                dots[i][t, d] += T.cast(xs[i][t, d], "float32") * T.cast(gs[t, d], "float32")
+                        T.fence_proxy_async()
                 for i in streams:
                     T.gemm(xs[i], phs[i], mix2, transpose_B=True)
 
