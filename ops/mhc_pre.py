@@ -336,6 +336,9 @@ def mhc_pre_fused_kernel(n: int, D: int, rms_eps: float, hc_eps: float, x_slots:
                         for t, d in T.Parallel(block_t, block_k):
                             out_f[t, d] = sum(hpre[t, i] * T.cast(xs[(k * Q + i * kcs + c) % R, t, d], "float32")
                                               for i in range(n))
+                        # The slots' shared loads above feed registers only: without the fence they may
+                        # still be in flight when the slots go back and the next TMA write lands.
+                        T.fence_proxy_async()
                         for i in T.unroll(n):
                             T.barrier_arrive(x_free[(k * Q + i * kcs + c) % R])
                         T.copy(out_f, out)
