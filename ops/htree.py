@@ -26,13 +26,14 @@ parents (candidate buffers are in ascending node order, so the parents stay sort
 merged into the per-head online softmax with V, against one reference per layer (lse bounds every
 score, so no per-chunk maximum). Layer 0 merges all with a running maximum. The walk's state (U, m, S
 per head) goes to the top-merge kernel, which adds the top layer's non-winners (against their lse) and
-normalizes. The walk's chunks are bound by L1 / shared-memory traffic (gathers, operand stores and the
-mma operand loads; ncu at the fp32 bench shape: L1/TEX 82% of peak, L2 hits 92%); see docs/perf.md.
+normalizes. The walk's shared-memory chunks are bound by L1 traffic (gathers, operand stores and mma operand
+loads); the fp32 layer 0 from registers by the latency of its gathers and mma chains; see docs/perf.md.
 
 fp32 inputs use split-TF32 products (hi*hi + hi*lo + lo*hi), close to fp32 accuracy so selections match
 an fp32 reference; fp16/bf16 inputs use one 16-bit product with fp32 accumulation. The top-layer kernels'
-64-row tiles run them as warpgroup (wgmma) products; the walk's 16-row tiles as mma.sync, except the fp32
-walk's layer 0 (K, V <= 64), which merges in exact fp32 FMAs on the CUDA cores (``merge_layer0_fma``).
+64-row tiles run them as warpgroup (wgmma) products; the walk's 16-row tiles as mma.sync. The fp32 walk's
+layer 0 (K, V <= 64, G <= 16; ``merge_layer0_mma``) gathers its operands straight into the mma.sync register
+fragments, each warp merging its own share of the candidates, with no shared memory in between.
 
 Memory: the tree above layer 0, sum_{l>=1} N_l ~ T / (r - 1) nodes of K and V per (batch, kv head) in
 the input dtype, the rotated top layer (<= max_top_nodes rows of K per (batch, kv head); fp32 also its K
@@ -92,6 +93,18 @@ def htree_pool_kernel(num_kv_heads: int, head_dim: int, v_head_dim: int, compres
     return htree_pool
 
 
+def _tf32_hi(x):
+    """The TF32-exact high part of fp32 x (low 13 mantissa bits cleared); x minus it is exact in fp32."""
+    return T.reinterpret(T.bitwise_and(T.reinterpret(x, "int32"), T.int32(-8192)), "float32")
+
+
+def _mma(a, ai, b, bi, c, ci):
+    """c[ci:ci+4] += a @ b for one m16n8k8 TF32 tile held in registers, in the PTX fragment layouts (a at ai,
+    four values; b at bi, two; c four)."""
+    return T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", a.data, ai, b.data, bi, c.data, ci,
+                     False)
+
+
 def _operand_stores(dtype: str, half: int, split: bool | None = None):
     """Macros storing fp32 values as mma operands of ``dtype`` (fp32: split-TF32 halves in two tiles, unless
     ``split`` is False): put(x, dst, dst_lo, i, j), and put_rotated for a RoPE pair (i, i + half)."""
@@ -100,7 +113,7 @@ def _operand_stores(dtype: str, half: int, split: bool | None = None):
     @T.macro
     def put(x, dst, dst_lo, i, j):
         if split:  # the TF32-exact high part and the fp32 remainder
-            hi = T.reinterpret(T.bitwise_and(T.reinterpret(x, "int32"), T.int32(-8192)), "float32")
+            hi = _tf32_hi(x)
             dst[i, j] = hi
             dst_lo[i, j] = x - hi
         else:
@@ -438,7 +451,8 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
 
 def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
                      compression_rate: int, top_k: int, max_top_nodes: int, scale: float, dtype: str,
-                     block_n: int = 64, threads: int = 128, min_blocks: int = 3, chunk_rope: bool = False):
+                     block_n: int = 64, threads: int = 128, min_blocks: int = 3, chunk_rope: bool = False,
+                     tiles0: int = 2):
     H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
     G = H // Hkv
     GP = max(16, G)  # tensor-core M
@@ -448,11 +462,12 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     nbuf = 1 << log_n  # every candidate buffer position is below this
     pos_mask = nbuf - 1
     split = dtype == "float32"  # split-TF32 products
-    # fp32 layer 0 on the CUDA cores (merge_layer0_fma): exact fp32 FMAs instead of three split-TF32
-    # mma.sync products per chunk, whose 16-row tiles load every operand once per warp (walk 7% faster at
-    # the fp32 bench shape, H100).
-    fma0 = split and K <= 64 and V <= 64 and threads == 128 and block_n % 4 == 0
-    KH, VH, JPT = K // 2, V // 2, block_n // 4  # per lane: halves of q and of O, scores per chunk
+    # fp32 layer 0 from register fragments (merge_layer0_mma), G <= 16 (one m16 tile of heads): per lane
+    # KE head dims of each half, VE of V's tiles, chunks of CH = 8 NT0 candidates per warp
+    mma0 = split and K in (32, 64) and V in (32, 64) and G <= 16 and threads == 128
+    KE, VE = K // 8, V // 8
+    NT0 = tiles0 if K + V <= 64 else max(1, tiles0 // 2)
+    CH = 8 * NT0
     # chunk_rope (16-bit inputs): below the top, candidate p = c0 + j is rotated at j (table entries fixed
     # per thread, loaded once) and the query at n - 1 - c0 once per chunk, instead of loading the table
     # rows of every p. Exact in real arithmetic, but the composed angles round differently from the
@@ -467,7 +482,6 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     TS, TK, NK, TP = T.dynamic("TS"), T.dynamic("TK"), T.dynamic("NK"), T.dynamic("TP")
 
     put, put_rotated = _operand_stores(dtype, half)
-    _, rotate_fp32 = _operand_stores("float32", half, split=False)  # merge_layer0_fma's plain fp32 K
 
     def node_of(parents, p, n_par):
         """Layer node of candidate p (below the top: child p % r of parent p // r)."""
@@ -562,80 +576,180 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             m_run[g] = m_new[g]
 
     @T.macro
-    def merge_layer0_fma(Kt, Vt, Cos, Sin, parents, kx, ky, kc, ks, vx, k_s, v_f, q_s, q_lo, red, o_sh,
-                         acc_o, s_part, m_run, lse, q_reg, s_loc, o_reg, st, tx, b, h, n, n_par, chunks):
-        """Layer 0 (merge everything, running maximum) in fp32 on the CUDA cores. Lane (dh, g) of warp w
-        holds half dh of head g's rotated query and scores candidates w + 4 i of each chunk over that half
-        (the halves meet by a shuffle), so a warp reads one K row per load, without bank conflicts. P stays
-        in registers: the warp accumulates its own partial O[g, half dh of V] over its candidates. The
-        four warps share each chunk's per-head maximum through `red` and their partials are summed once,
-        in a fixed order. The mma fragments' state comes in and goes back out through `o_sh` / `red`.
-        `st` holds the lane's running maximum, partial sum, chunk maximum and rescale factor."""
-        g = tx % 16
-        dh = tx % 32 // 16
+    def merge_layer0_mma(Kt, Vt, Cos, Sin, parents, q_raw, red, o_sh, acc_o, s_part, m_run, lse, tx, b, h, n, n_par):
+        """Layer 0 (merge everything, running maximum) for fp32 with K, V <= 64, as split-TF32 mma.sync
+        products whose operands go from the gathers straight into the PTX register fragments: no shared
+        memory between a candidate's load and the tensor cores (the walk is bound by the L1 data pipe, and
+        staging operands through shared memory cost ~20 of its ~28 wavefronts per candidate).
+        Each warp takes every fourth chunk of CH candidates with its own online-softmax state; the warps'
+        states are combined once, in a fixed order. Per 8-candidate tile, lane (gr, tg) = (lane / 4, lane % 4):
+          - scores S = Q K^T: B's column gr is candidate gr; dot products do not care about the order of the
+            head dimension, so lane tg's k-steps cover the RoPE pairs (KE tg + ks, half + KE tg + ks): two
+            contiguous loads per row and table, and each pair is rotated in the lane that loads it;
+          - O += P V: the accumulator's columns (2 tg, 2 tg + 1) are taken as A's columns (tg, tg + 4), i.e.
+            candidates 2 tg and 2 tg + 1, so P stays in the lane; B's column gr of V tile vt is V dim
+            VE gr + vt: one contiguous load per candidate.
+        The mma accumulators add in truncation, so each chunk's P V starts from zero and is added in fp32;
+        independent accumulators (hi*hi apart from the two corrections) keep the mma chains short."""
+        lane = tx % 32
         w = tx // 32
-        m_thr, l_thr, cmax, alpha = 0, 1, 2, 3
+        gr = lane // 4
+        tg = lane % 4
+        qh = T.alloc_local((KE * 4,), "float32")  # A fragments of the rotated, scaled query, per k-step
+        ql = T.alloc_local((KE * 4,), "float32")
+        fk_x = T.alloc_local((NT0 * KE,), dtype)  # a chunk's gathers: K pairs, their table entries, V
+        fk_y = T.alloc_local((NT0 * KE,), dtype)
+        fk_c = T.alloc_local((NT0 * KE,), "float32")
+        fk_s = T.alloc_local((NT0 * KE,), "float32")
+        fv = T.alloc_local((NT0 * 2 * VE,), dtype)
+        kb_h = T.alloc_local((NT0 * KE * 2,), "float32")  # B fragments of the rotated K, per tile and k-step
+        kb_l = T.alloc_local((NT0 * KE * 2,), "float32")
+        sc = T.alloc_local((NT0 * 4,), "float32")  # scores (hi*hi), then probabilities
+        sc2 = T.alloc_local((NT0 * 4,), "float32")  # the scores' corrections (hi*lo + lo*hi)
+        pa_h = T.alloc_local((NT0 * 4,), "float32")
+        pa_l = T.alloc_local((NT0 * 4,), "float32")
+        vb_h = T.alloc_local((VE * 2,), "float32")
+        vb_l = T.alloc_local((VE * 2,), "float32")
+        o_acc = T.alloc_local((VE * 4,), "float32")
+        o_tmp = T.alloc_local((VE * 4,), "float32")
+        m_w = T.alloc_local((2,), "float32")  # rows gr and gr + 8: running maximum, partial sum
+        l_w = T.alloc_local((2,), "float32")
+        mx = T.alloc_local((2,), "float32")
+        al = T.alloc_local((2,), "float32")
+
+        # the layers above come in through shared memory; warp 0 carries them, the others start empty
         T.reduce_sum(s_part, lse, dim=1, clear=True)
         T.copy(acc_o, o_sh)
         for i in T.Parallel(GP):
             red[0, i] = m_run[i]
             red[1, i] = lse[i]
         T.sync_threads()
-        for d in T.unroll(KH):  # the split halves add up to the fp32 query exactly
-            q_reg[d] = q_s[g, dh * KH + d] + q_lo[g, dh * KH + d]
-        for e in T.unroll(VH):  # warp 0 carries the layers above; the others start empty
-            o_reg[e] = T.if_then_else(w == 0, o_sh[g, dh * VH + e], 0.0)
-        st[m_thr] = red[0, g]
-        st[l_thr] = T.if_then_else(w == 0, red[1, g], 0.0)
+        for ks in T.unroll(KE):
+            for rr in T.unroll(2):
+                g = gr + 8 * rr
+                i = KE * tg + ks
+                x = T.if_then_else(g < G, T.cast(q_raw[T.min(g, G - 1), i], "float32"), 0.0)
+                y = T.if_then_else(g < G, T.cast(q_raw[T.min(g, G - 1), i + half], "float32"), 0.0)
+                lo_v = q_scale * (x * Cos[n - 1, i] - y * Sin[n - 1, i])
+                hi_v = q_scale * (x * Sin[n - 1, i] + y * Cos[n - 1, i])
+                qh[ks * 4 + rr] = _tf32_hi(lo_v)
+                ql[ks * 4 + rr] = lo_v - qh[ks * 4 + rr]
+                qh[ks * 4 + 2 + rr] = _tf32_hi(hi_v)
+                ql[ks * 4 + 2 + rr] = hi_v - qh[ks * 4 + 2 + rr]
+        for vt in T.unroll(VE):
+            for e in T.unroll(4):
+                o_acc[vt * 4 + e] = T.if_then_else(w == 0, o_sh[gr + 8 * (e // 2), VE * (2 * tg + e % 2) + vt], 0.0)
+        for rr in T.unroll(2):
+            m_w[rr] = red[0, gr + 8 * rr]
+            l_w[rr] = T.if_then_else(w == 0, T.if_then_else(tg == 0, red[1, gr + 8 * rr], 0.0), 0.0)
         T.sync_threads()
 
-        gather_pairs(Kt, Tn, 0, Cos, Sin, parents, kx, ky, kc, ks, b, h, 0, n, n_par)
-        for c in T.serial(chunks):
-            for j, i in T.Parallel(block_n, half):
-                rotate_fp32(T.cast(kx[j, i], "float32"), T.cast(ky[j, i], "float32"), kc[j, i], ks[j, i], 1.0, True,
-                            k_s, k_s, j, i)
-            # this chunk's V and the next chunk's K fly during the scores (past the last: none)
-            gather_rows(Vt, Tn, 0, parents, vx, b, h, c * block_n, n, n_par)
-            gather_pairs(Kt, Tn, 0, Cos, Sin, parents, kx, ky, kc, ks, b, h, (c + 1) * block_n, n, n_par)
-            T.sync_threads()
-            for i in T.unroll(JPT):
-                s_loc[i] = 0.0
-                for d in T.unroll(KH):
-                    s_loc[i] += q_reg[d] * k_s[w + 4 * i, dh * KH + d]
-            st[cmax] = _NEG
-            for i in T.unroll(JPT):
-                s_loc[i] += T.shfl_xor(s_loc[i], 16)
-                s_loc[i] = T.if_then_else(c * block_n + w + 4 * i < n, s_loc[i], _NEG)
-                st[cmax] = T.max(st[cmax], s_loc[i])
-            for j, d in T.Parallel(block_n, V):  # every warp is past the previous chunk's P @ V
-                v_f[j, d] = T.cast(vx[j, d], "float32")
-            if dh == 0:
-                red[w, g] = st[cmax]
-            T.sync_threads()
-            st[cmax] = T.max(T.max(T.max(red[0, g], red[1, g]), T.max(red[2, g], red[3, g])), st[m_thr])
-            st[alpha] = T.exp2(st[m_thr] - st[cmax])
-            st[m_thr] = st[cmax]
-            st[l_thr] *= st[alpha]
-            for e in T.unroll(VH):
-                o_reg[e] *= st[alpha]
-            for i in T.unroll(JPT):
-                s_loc[i] = T.if_then_else(s_loc[i] <= _NEG, 0.0, T.exp2(s_loc[i] - st[m_thr]))
-                st[l_thr] += s_loc[i]
-                for e in T.unroll(VH):
-                    o_reg[e] += s_loc[i] * v_f[w + 4 * i, dh * VH + e]
+        for it in T.serial(T.ceildiv(T.max(T.ceildiv(n, CH) - w, 0), 4)):
+            c0 = (w + 4 * it) * CH
+            # all of the chunk's gathers in flight at once (candidates past n, masked below, read clamped rows).
+            # With r >= 8 a tile's 8 candidates are 8 consecutive children of one parent.
+            for nt in T.unroll(NT0):
+                p0 = c0 + 8 * nt
+                if r >= 8:
+                    row0 = parents[T.min(p0 >> log_r, top_k - 1)] * r + T.bitwise_and(p0, r - 1)
+                    row_k = T.max(T.min(row0 + gr, Tn - 1), 0)
+                else:
+                    row_k = T.max(T.min(node_of(parents, p0 + gr, n_par), Tn - 1), 0)
+                slot = T.min(p0 + gr, nbuf - 1)
+                for e in T.vectorized(KE):
+                    fk_x[nt * KE + e] = Kt[b, row_k, h, KE * tg + e]
+                for e in T.vectorized(KE):
+                    fk_y[nt * KE + e] = Kt[b, row_k, h, half + KE * tg + e]
+                for e in T.vectorized(KE):
+                    fk_c[nt * KE + e] = Cos[slot, KE * tg + e]
+                for e in T.vectorized(KE):
+                    fk_s[nt * KE + e] = Sin[slot, KE * tg + e]
+                for j2 in T.unroll(2):
+                    if r >= 8:
+                        row_v = T.max(T.min(row0 + 2 * tg + j2, Tn - 1), 0)
+                    else:
+                        row_v = T.max(T.min(node_of(parents, p0 + 2 * tg + j2, n_par), Tn - 1), 0)
+                    for e in T.vectorized(VE):
+                        fv[(nt * 2 + j2) * VE + e] = Vt[b, row_v, h, VE * gr + e]
+            for nt in T.unroll(NT0):
+                for ks in T.unroll(KE):
+                    x = fk_x[nt * KE + ks]
+                    y = fk_y[nt * KE + ks]
+                    lo_v = x * fk_c[nt * KE + ks] - y * fk_s[nt * KE + ks]
+                    hi_v = x * fk_s[nt * KE + ks] + y * fk_c[nt * KE + ks]
+                    kb_h[(nt * KE + ks) * 2] = _tf32_hi(lo_v)
+                    kb_l[(nt * KE + ks) * 2] = lo_v - kb_h[(nt * KE + ks) * 2]
+                    kb_h[(nt * KE + ks) * 2 + 1] = _tf32_hi(hi_v)
+                    kb_l[(nt * KE + ks) * 2 + 1] = hi_v - kb_h[(nt * KE + ks) * 2 + 1]
+                for e in T.unroll(4):
+                    sc[nt * 4 + e] = 0.0
+                    sc2[nt * 4 + e] = 0.0
+                for ks in T.unroll(KE):
+                    _mma(qh, ks * 4, kb_h, (nt * KE + ks) * 2, sc, nt * 4)
+                    _mma(qh, ks * 4, kb_l, (nt * KE + ks) * 2, sc2, nt * 4)
+                    _mma(ql, ks * 4, kb_h, (nt * KE + ks) * 2, sc2, nt * 4)
+            for rr in T.unroll(2):
+                mx[rr] = _NEG
+            for nt in T.unroll(NT0):
+                for e in T.unroll(4):
+                    sc[nt * 4 + e] = T.if_then_else(c0 + 8 * nt + 2 * tg + e % 2 < n, sc[nt * 4 + e] + sc2[nt * 4 + e],
+                                                    _NEG)
+                    mx[e // 2] = T.max(mx[e // 2], sc[nt * 4 + e])
+            for rr in T.unroll(2):  # the row's maximum over its four lanes
+                mx[rr] = T.max(mx[rr], T.shfl_xor(mx[rr], 1))
+                mx[rr] = T.max(mx[rr], T.shfl_xor(mx[rr], 2))
+                mx[rr] = T.max(mx[rr], m_w[rr])
+                al[rr] = T.exp2(m_w[rr] - mx[rr])
+                m_w[rr] = mx[rr]
+                l_w[rr] *= al[rr]
+            for nt in T.unroll(NT0):
+                for e in T.unroll(4):
+                    sc[nt * 4 + e] = T.if_then_else(sc[nt * 4 + e] <= _NEG, 0.0, T.exp2(sc[nt * 4 + e] - m_w[e // 2]))
+                    l_w[e // 2] += sc[nt * 4 + e]
+                for e in T.unroll(4):  # A's (row, column) e <- accumulator element (e % 2) * 2 + e // 2
+                    pa_h[nt * 4 + e] = _tf32_hi(sc[nt * 4 + (e % 2) * 2 + e // 2])
+                    pa_l[nt * 4 + e] = sc[nt * 4 + (e % 2) * 2 + e // 2] - pa_h[nt * 4 + e]
+            for e in T.unroll(VE * 4):
+                o_tmp[e] = 0.0
+            for nt in T.unroll(NT0):
+                for vt in T.unroll(VE):
+                    for j2 in T.unroll(2):
+                        vb_h[vt * 2 + j2] = _tf32_hi(T.cast(fv[(nt * 2 + j2) * VE + vt], "float32"))
+                        vb_l[vt * 2 + j2] = T.cast(fv[(nt * 2 + j2) * VE + vt], "float32") - vb_h[vt * 2 + j2]
+                for vt in T.unroll(VE):
+                    _mma(pa_h, nt * 4, vb_h, vt * 2, o_tmp, vt * 4)
+                for vt in T.unroll(VE):
+                    _mma(pa_h, nt * 4, vb_l, vt * 2, o_tmp, vt * 4)
+                for vt in T.unroll(VE):
+                    _mma(pa_l, nt * 4, vb_h, vt * 2, o_tmp, vt * 4)
+            for e in T.unroll(VE * 4):
+                o_acc[e] = o_acc[e] * al[e // 2 % 2] + o_tmp[e]
 
-        # the warps' partials, summed in a fixed order, back into the fragments
+        # the warps' states, combined in a fixed order, back into the fragments
+        for rr in T.unroll(2):
+            l_w[rr] += T.shfl_xor(l_w[rr], 1)
+            l_w[rr] += T.shfl_xor(l_w[rr], 2)
+        if tg == 0:
+            for rr in T.unroll(2):
+                red[w, gr + 8 * rr] = m_w[rr]
         T.sync_threads()
+        for rr in T.unroll(2):
+            mx[rr] = T.max(T.max(red[0, gr + 8 * rr], red[1, gr + 8 * rr]), T.max(red[2, gr + 8 * rr], red[3, gr + 8 * rr]))
+            al[rr] = T.exp2(m_w[rr] - mx[rr])
+        T.sync_threads()  # every warp has read the maxima: red's rows take the sums, rescaled to the common maximum
+        if tg == 0:
+            for rr in T.unroll(2):
+                red[w, gr + 8 * rr] = l_w[rr] * al[rr]
+                if w == 0:
+                    red[4, gr + 8 * rr] = mx[rr]
         for ww in T.serial(4):
             if w == ww:
-                for e in T.unroll(VH):
-                    o_sh[g, dh * VH + e] = o_reg[e] + T.if_then_else(ww == 0, 0.0, o_sh[g, dh * VH + e])
+                for vt in T.unroll(VE):
+                    for e in T.unroll(4):
+                        row = gr + 8 * (e // 2)
+                        col = VE * (2 * tg + e % 2) + vt
+                        o_sh[row, col] = o_acc[vt * 4 + e] * al[e // 2] + T.if_then_else(ww == 0, 0.0, o_sh[row, col])
             T.sync_threads()
-        if dh == 0:
-            red[w, g] = st[l_thr]
-            if w == 0:
-                red[4, g] = st[m_thr]
-        T.sync_threads()
         T.copy(o_sh, acc_o)
         for i in T.Parallel(GP):
             m_run[i] = red[4, i]
@@ -681,9 +795,9 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             v_s = k_s if K == V else T.alloc_shared((block_n, V), cdt)
             v_lo = k_lo if K == V else T.alloc_shared((block_n, V) if split else (1, 1), cdt)
             prob_s = T.alloc_shared((GP, block_n), "float32")
-            # merge_layer0_fma's exchanges: O, and per warp the heads' maxima / sums
-            o_sh = T.alloc_shared((GP, V) if fma0 else (1, 1), "float32")
-            red = T.alloc_shared((5, GP) if fma0 else (1, 1), "float32")
+            # merge_layer0_mma's exchanges: O, and per warp the heads' maxima and sums
+            o_sh = T.alloc_shared((GP, V) if mma0 else (1, 1), "float32")
+            red = T.alloc_shared((5, GP) if mma0 else (1, 1), "float32")
             keys = T.alloc_shared((nbuf,), "int32")
             parents = T.alloc_shared((top_k,), "int32")
             chosen = T.alloc_shared((top_k,), "int32")
@@ -706,11 +820,6 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             m_run = T.alloc_fragment((GP,), "float32")
             m_new = T.alloc_fragment((GP,), "float32")
             lse = T.alloc_fragment((GP,), "float32")
-            # merge_layer0_fma's per-lane state
-            q_reg = T.alloc_local((KH,), "float32")
-            s_loc = T.alloc_local((JPT,), "float32")
-            o_reg = T.alloc_local((VH,), "float32")
-            fma_st = T.alloc_local((4,), "float32")
 
             n = T.alloc_var("int32")  # candidates of this layer
             n_par = T.alloc_var("int32")  # parents expanded into this layer
@@ -838,10 +947,9 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                             m_new[g] = T.max(m_run[g], lse[g])
                         rescale(acc_o, s_part, m_run, m_new)
                 # (3) merge the non-winners (layer 0: everything) into the online softmax
-                if fma0 and l == 0 and num_layers > 1:  # (a single layer reads the pre-rotated top rows)
-                    merge_layer0_fma(Kt, Vt, Cos, Sin, parents, kx, ky, kc, ks, vx, k_s, v_lo, q_s, q_lo, red,
-                                     o_sh, acc_o, s_part, m_run, lse, q_reg, s_loc, o_reg, fma_st, tx, b,
-                                     h, n, n_par, chunks)
+                if mma0 and l == 0 and num_layers > 1:  # (a single layer reads the pre-rotated top rows)
+                    merge_layer0_mma(Kt, Vt, Cos, Sin, parents, q_raw, red, o_sh, acc_o, s_part, m_run, lse, tx, b,
+                                     h, n, n_par)
                 elif l == 0 or (n > top_k and l < num_layers - 1):
                     gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
                              0, off, n, n_par)
@@ -923,8 +1031,8 @@ class HTreeForwardTileLang:
     # spills), so K > 32 takes chunks of 32 and 3 CTAs per SM (H200, (b) T=32768: 434 vs 600 ms); at
     # K = 32 (fp32: ~32 registers, 72 KB of shared memory) chunks of 64 fit 3 CTAs per SM. chunk_rope
     # (16-bit only) measured 2-9% faster (H100, (b) T=32768 382 -> 349 ms, 131072 1816 -> 1781 ms).
-    DEFAULT_CONFIG = {"block_n": 32, "threads": 128, "min_blocks": 3, "chunk_rope": True}
-    SMALL_HEAD_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 3, "chunk_rope": True}  # head_dim <= 32
+    DEFAULT_CONFIG = {"block_n": 32, "threads": 128, "min_blocks": 3, "chunk_rope": True, "tiles0": 2}
+    SMALL_HEAD_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 3, "chunk_rope": True, "tiles0": 2}  # K <= 32
     tunable_kernel = staticmethod(htree_fwd_kernel)
 
     @staticmethod

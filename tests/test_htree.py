@@ -179,6 +179,14 @@ def test_compiles_for_sm90a(bench_op):
 
 
 @pytest.mark.compile
+def test_compiles_fp32_layer0_variants():
+    """fp32 layer 0 from register fragments with K != V, r < 8 (candidate rows one by one) and one tile per step."""
+    op = HTreeForwardTileLang(16, 1, 64, 32, compression_rate=4, top_k_per_layer=16, max_top_nodes=64,
+                              dtype=torch.float32, config={"tiles0": 1})
+    assert op.kernel is not None
+
+
+@pytest.mark.compile
 def test_bad_tensors(bench_op):
     op, dt = bench_op, bench_op.dtype
     H, Hkv, K = op.num_heads, op.num_kv_heads, op.head_dim

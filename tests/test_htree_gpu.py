@@ -14,9 +14,11 @@ CASES = [
     (torch.bfloat16, 8, 2, 32, 64, 4, 4, 16, 300),
     (torch.float32, 32, 2, 64, 32, 8, 16, 64, 2001),
     (torch.bfloat16, 2, 2, 128, 128, 16, 32, 512, 5003),
-    # K = V = 32 in fp32: layer 0 on the CUDA cores (merge_layer0_fma), after layers on the tensor cores
+    # K = V = 32 in fp32 (layer 0 from register fragments, merge_layer0_mma, as all fp32 cases here); r >= 8
+    # takes its contiguous-children loads
     (torch.float32, 16, 1, 32, 32, 4, 8, 32, 777),
     (torch.float32, 8, 2, 32, 32, 4, 4, 16, 300),
+    (torch.float32, 32, 2, 32, 32, 16, 8, 128, 3001),
 ]
 TOL = {torch.float32: dict(atol=1e-4, rtol=2e-5), torch.bfloat16: dict(atol=6e-2, rtol=1e-2)}
 
@@ -59,6 +61,14 @@ def check_case(case, poisoned, keys_bytes=None, config=None):
         assert frac >= 0.999, f"selections agree on {frac:.5f} of rows"
     assert n_agree > 0.5 * case[8] * 2 * case[1]
     assert max_err <= TOL[dtype]["atol"] and rel <= TOL[dtype]["rtol"], (max_err, rel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles0", [1, 4])
+@pytest.mark.parametrize("case", [CASES[4], CASES[6]], ids=["r4", "r16"])
+def test_htree_layer0_tiles(case, tiles0, poisoned):
+    """The fp32 layer 0's chunk size per warp (8 x tiles0 candidates; the default is 2)."""
+    check_case(case, poisoned, config={"tiles0": tiles0})
 
 
 @pytest.mark.gpu
