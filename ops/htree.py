@@ -12,7 +12,10 @@ Kernels:
     previous chunk's products; fp32 K and V are split into TF32 halves once per call, ``_split_tf32``, so
     the chunks land as the products' operand tiles);
   - ``htree_fwd_kernel`` walks the rest of one (b, t, kv head) row in one CTA: the top layer's top-k from
-    its keys, then every lower layer, fused, so the selected parents of a layer live in shared memory.
+    its keys, then every lower layer, fused, so the selected parents of a layer live in shared memory;
+  - ``htree_layer0_kernel`` (fp32 with K, V in {32, 64}): layer 0 of the walk's rows, from the parents the
+    walk hands over. Without the walk's shared tiles and selection state it runs 4 CTAs per SM instead of 3,
+    at 127 registers without spills.
 
 Below the top the walk streams each layer's candidates in chunks of ``block_n``: gathers their K into
 registers (all of a chunk's loads in flight at once, issued one chunk ahead so they overlap the previous
@@ -31,9 +34,9 @@ loads); the fp32 layer 0 from registers by the latency of its gathers and mma ch
 
 fp32 inputs use split-TF32 products (hi*hi + hi*lo + lo*hi), close to fp32 accuracy so selections match
 an fp32 reference; fp16/bf16 inputs use one 16-bit product with fp32 accumulation. The top-layer kernels'
-64-row tiles run them as warpgroup (wgmma) products; the walk's 16-row tiles as mma.sync. The fp32 walk's
-layer 0 (K, V <= 64, G <= 16; ``merge_layer0_mma``) gathers its operands straight into the mma.sync register
-fragments, each warp merging its own share of the candidates, with no shared memory in between.
+64-row tiles run them as warpgroup (wgmma) products; the walk's 16-row tiles as mma.sync. The fp32 layer 0
+(``htree_layer0_kernel``) gathers its operands straight into the mma.sync register fragments, each warp
+merging its own share of the candidates, with no shared memory in between.
 
 Memory: the tree above layer 0, sum_{l>=1} N_l ~ T / (r - 1) nodes of K and V per (batch, kv head) in
 the input dtype, the rotated top layer (<= max_top_nodes rows of K per (batch, kv head); fp32 also its K
@@ -41,7 +44,8 @@ and V in TF32 halves, 2 (K + V) x 4 bytes per node), RoPE tables of
 max(max_top_nodes, top_k * r) x K/2 fp32 pairs and the top layer's lse [B, T, H] fp32. The queries go
 through the top-layer kernels and the walk in slabs, sized so that a slab's packed keys
 [B, slab, Hkv, N_top] int32 take at most 256 MiB; per slab also the walk's state [B, slab, H, V + 2]
-fp32. Nothing else scales with T x candidates; the output and, on request, the selections
+fp32, and for the fp32 layer 0 kernel the layer-0 parents [B, slab, Hkv, top_k] int32. Nothing else scales
+with T x candidates; the output and, on request, the selections
 [L-1, B, T, Hkv, top_k] int32.
 """
 
@@ -103,6 +107,16 @@ def _mma(a, ai, b, bi, c, ci):
     four values; b at bi, two; c four)."""
     return T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", a.data, ai, b.data, bi, c.data, ci,
                      False)
+
+
+def _split_layer0(dtype: str, K: int, V: int, G: int) -> bool:
+    """Whether layer 0 runs in its own kernel (htree_layer0_kernel: fp32, K and V in {32, 64}, G <= 16)."""
+    return dtype == "float32" and K in (32, 64) and V in (32, 64) and G <= 16
+
+
+def _child(parents, p, r: int, top_k: int):
+    """Node of candidate p below the top: child p % r of parent p // r (parents in shared memory)."""
+    return parents[T.min(p >> int(math.log2(r)), top_k - 1)] * r + T.bitwise_and(p, r - 1)
 
 
 def _operand_stores(dtype: str, half: int, split: bool | None = None):
@@ -451,8 +465,7 @@ def htree_top_merge_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
 
 def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
                      compression_rate: int, top_k: int, max_top_nodes: int, scale: float, dtype: str,
-                     block_n: int = 64, threads: int = 128, min_blocks: int = 3, chunk_rope: bool = False,
-                     tiles0: int = 2):
+                     block_n: int = 64, threads: int = 128, min_blocks: int = 3, chunk_rope: bool = False):
     H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
     G = H // Hkv
     GP = max(16, G)  # tensor-core M
@@ -462,12 +475,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     nbuf = 1 << log_n  # every candidate buffer position is below this
     pos_mask = nbuf - 1
     split = dtype == "float32"  # split-TF32 products
-    # fp32 layer 0 from register fragments (merge_layer0_mma), G <= 16 (one m16 tile of heads): per lane
-    # KE head dims of each half, VE of V's tiles, chunks of CH = 8 NT0 candidates per warp
-    mma0 = split and K in (32, 64) and V in (32, 64) and G <= 16 and threads == 128
-    KE, VE = K // 8, V // 8
-    NT0 = tiles0 if K + V <= 64 else max(1, tiles0 // 2)
-    CH = 8 * NT0
+    split0 = _split_layer0(dtype, K, V, G)  # layer 0 left to htree_layer0_kernel
     # chunk_rope (16-bit inputs): below the top, candidate p = c0 + j is rotated at j (table entries fixed
     # per thread, loaded once) and the query at n - 1 - c0 once per chunk, instead of loading the table
     # rows of every p. Exact in real arithmetic, but the composed angles round differently from the
@@ -479,13 +487,13 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     B, Tn, NN, NT = T.dynamic("B"), T.dynamic("T"), T.dynamic("NN"), T.dynamic("NT")
     SL, SB, ST = T.dynamic("SL"), T.dynamic("SB"), T.dynamic("ST")
     # the slab's rows TS come from Thr; the L == 1 call passes one-row placeholders for the others
-    TS, TK, NK, TP = T.dynamic("TS"), T.dynamic("TK"), T.dynamic("NK"), T.dynamic("TP")
+    TS, TK, NK, TP, TQ = T.dynamic("TS"), T.dynamic("TK"), T.dynamic("NK"), T.dynamic("TP"), T.dynamic("TQ")
 
     put, put_rotated = _operand_stores(dtype, half)
 
     def node_of(parents, p, n_par):
         """Layer node of candidate p (below the top: child p % r of parent p // r)."""
-        return T.if_then_else(n_par == 0, p, parents[T.min(p >> log_r, top_k - 1)] * r + T.bitwise_and(p, r - 1))
+        return T.if_then_else(n_par == 0, p, _child(parents, p, r, top_k))
 
     # Chunk loads go in two loops: gathers into registers, then math and shared stores. In one loop the
     # compiler keeps every shared-memory read of a node index behind the previous row's shared store
@@ -575,187 +583,6 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
         for g in T.Parallel(GP):
             m_run[g] = m_new[g]
 
-    @T.macro
-    def merge_layer0_mma(Kt, Vt, Cos, Sin, parents, q_raw, red, o_sh, acc_o, s_part, m_run, lse, tx, b, h, n, n_par):
-        """Layer 0 (merge everything, running maximum) for fp32 with K, V <= 64, as split-TF32 mma.sync
-        products whose operands go from the gathers straight into the PTX register fragments: no shared
-        memory between a candidate's load and the tensor cores (the walk is bound by the L1 data pipe, and
-        staging operands through shared memory cost ~20 of its ~28 wavefronts per candidate).
-        Each warp takes every fourth chunk of CH candidates with its own online-softmax state; the warps'
-        states are combined once, in a fixed order. Per 8-candidate tile, lane (gr, tg) = (lane / 4, lane % 4):
-          - scores S = Q K^T: B's column gr is candidate gr; dot products do not care about the order of the
-            head dimension, so lane tg's k-steps cover the RoPE pairs (KE tg + ks, half + KE tg + ks): two
-            contiguous loads per row and table, and each pair is rotated in the lane that loads it;
-          - O += P V: the accumulator's columns (2 tg, 2 tg + 1) are taken as A's columns (tg, tg + 4), i.e.
-            candidates 2 tg and 2 tg + 1, so P stays in the lane; B's column gr of V tile vt is V dim
-            VE gr + vt: one contiguous load per candidate.
-        The mma accumulators add in truncation, so each chunk's P V starts from zero and is added in fp32;
-        independent accumulators (hi*hi apart from the two corrections) keep the mma chains short."""
-        lane = tx % 32
-        w = tx // 32
-        gr = lane // 4
-        tg = lane % 4
-        qh = T.alloc_local((KE * 4,), "float32")  # A fragments of the rotated, scaled query, per k-step
-        ql = T.alloc_local((KE * 4,), "float32")
-        fk_x = T.alloc_local((NT0 * KE,), dtype)  # a chunk's gathers: K pairs, their table entries, V
-        fk_y = T.alloc_local((NT0 * KE,), dtype)
-        fk_c = T.alloc_local((NT0 * KE,), "float32")
-        fk_s = T.alloc_local((NT0 * KE,), "float32")
-        fv = T.alloc_local((NT0 * 2 * VE,), dtype)
-        kb_h = T.alloc_local((NT0 * KE * 2,), "float32")  # B fragments of the rotated K, per tile and k-step
-        kb_l = T.alloc_local((NT0 * KE * 2,), "float32")
-        sc = T.alloc_local((NT0 * 4,), "float32")  # scores (hi*hi), then probabilities
-        sc2 = T.alloc_local((NT0 * 4,), "float32")  # the scores' corrections (hi*lo + lo*hi)
-        pa_h = T.alloc_local((NT0 * 4,), "float32")
-        pa_l = T.alloc_local((NT0 * 4,), "float32")
-        vb_h = T.alloc_local((VE * 2,), "float32")
-        vb_l = T.alloc_local((VE * 2,), "float32")
-        o_acc = T.alloc_local((VE * 4,), "float32")
-        o_tmp = T.alloc_local((VE * 4,), "float32")
-        m_w = T.alloc_local((2,), "float32")  # rows gr and gr + 8: running maximum, partial sum
-        l_w = T.alloc_local((2,), "float32")
-        mx = T.alloc_local((2,), "float32")
-        al = T.alloc_local((2,), "float32")
-
-        # the layers above come in through shared memory; warp 0 carries them, the others start empty
-        T.reduce_sum(s_part, lse, dim=1, clear=True)
-        T.copy(acc_o, o_sh)
-        for i in T.Parallel(GP):
-            red[0, i] = m_run[i]
-            red[1, i] = lse[i]
-        T.sync_threads()
-        for ks in T.unroll(KE):
-            for rr in T.unroll(2):
-                g = gr + 8 * rr
-                i = KE * tg + ks
-                x = T.if_then_else(g < G, T.cast(q_raw[T.min(g, G - 1), i], "float32"), 0.0)
-                y = T.if_then_else(g < G, T.cast(q_raw[T.min(g, G - 1), i + half], "float32"), 0.0)
-                lo_v = q_scale * (x * Cos[n - 1, i] - y * Sin[n - 1, i])
-                hi_v = q_scale * (x * Sin[n - 1, i] + y * Cos[n - 1, i])
-                qh[ks * 4 + rr] = _tf32_hi(lo_v)
-                ql[ks * 4 + rr] = lo_v - qh[ks * 4 + rr]
-                qh[ks * 4 + 2 + rr] = _tf32_hi(hi_v)
-                ql[ks * 4 + 2 + rr] = hi_v - qh[ks * 4 + 2 + rr]
-        for vt in T.unroll(VE):
-            for e in T.unroll(4):
-                o_acc[vt * 4 + e] = T.if_then_else(w == 0, o_sh[gr + 8 * (e // 2), VE * (2 * tg + e % 2) + vt], 0.0)
-        for rr in T.unroll(2):
-            m_w[rr] = red[0, gr + 8 * rr]
-            l_w[rr] = T.if_then_else(w == 0, T.if_then_else(tg == 0, red[1, gr + 8 * rr], 0.0), 0.0)
-        T.sync_threads()
-
-        for it in T.serial(T.ceildiv(T.max(T.ceildiv(n, CH) - w, 0), 4)):
-            c0 = (w + 4 * it) * CH
-            # all of the chunk's gathers in flight at once (candidates past n, masked below, read clamped rows).
-            # With r >= 8 a tile's 8 candidates are 8 consecutive children of one parent.
-            for nt in T.unroll(NT0):
-                p0 = c0 + 8 * nt
-                if r >= 8:
-                    row0 = parents[T.min(p0 >> log_r, top_k - 1)] * r + T.bitwise_and(p0, r - 1)
-                    row_k = T.max(T.min(row0 + gr, Tn - 1), 0)
-                else:
-                    row_k = T.max(T.min(node_of(parents, p0 + gr, n_par), Tn - 1), 0)
-                slot = T.min(p0 + gr, nbuf - 1)
-                for e in T.vectorized(KE):
-                    fk_x[nt * KE + e] = Kt[b, row_k, h, KE * tg + e]
-                for e in T.vectorized(KE):
-                    fk_y[nt * KE + e] = Kt[b, row_k, h, half + KE * tg + e]
-                for e in T.vectorized(KE):
-                    fk_c[nt * KE + e] = Cos[slot, KE * tg + e]
-                for e in T.vectorized(KE):
-                    fk_s[nt * KE + e] = Sin[slot, KE * tg + e]
-                for j2 in T.unroll(2):
-                    if r >= 8:
-                        row_v = T.max(T.min(row0 + 2 * tg + j2, Tn - 1), 0)
-                    else:
-                        row_v = T.max(T.min(node_of(parents, p0 + 2 * tg + j2, n_par), Tn - 1), 0)
-                    for e in T.vectorized(VE):
-                        fv[(nt * 2 + j2) * VE + e] = Vt[b, row_v, h, VE * gr + e]
-            for nt in T.unroll(NT0):
-                for ks in T.unroll(KE):
-                    x = fk_x[nt * KE + ks]
-                    y = fk_y[nt * KE + ks]
-                    lo_v = x * fk_c[nt * KE + ks] - y * fk_s[nt * KE + ks]
-                    hi_v = x * fk_s[nt * KE + ks] + y * fk_c[nt * KE + ks]
-                    kb_h[(nt * KE + ks) * 2] = _tf32_hi(lo_v)
-                    kb_l[(nt * KE + ks) * 2] = lo_v - kb_h[(nt * KE + ks) * 2]
-                    kb_h[(nt * KE + ks) * 2 + 1] = _tf32_hi(hi_v)
-                    kb_l[(nt * KE + ks) * 2 + 1] = hi_v - kb_h[(nt * KE + ks) * 2 + 1]
-                for e in T.unroll(4):
-                    sc[nt * 4 + e] = 0.0
-                    sc2[nt * 4 + e] = 0.0
-                for ks in T.unroll(KE):
-                    _mma(qh, ks * 4, kb_h, (nt * KE + ks) * 2, sc, nt * 4)
-                    _mma(qh, ks * 4, kb_l, (nt * KE + ks) * 2, sc2, nt * 4)
-                    _mma(ql, ks * 4, kb_h, (nt * KE + ks) * 2, sc2, nt * 4)
-            for rr in T.unroll(2):
-                mx[rr] = _NEG
-            for nt in T.unroll(NT0):
-                for e in T.unroll(4):
-                    sc[nt * 4 + e] = T.if_then_else(c0 + 8 * nt + 2 * tg + e % 2 < n, sc[nt * 4 + e] + sc2[nt * 4 + e],
-                                                    _NEG)
-                    mx[e // 2] = T.max(mx[e // 2], sc[nt * 4 + e])
-            for rr in T.unroll(2):  # the row's maximum over its four lanes
-                mx[rr] = T.max(mx[rr], T.shfl_xor(mx[rr], 1))
-                mx[rr] = T.max(mx[rr], T.shfl_xor(mx[rr], 2))
-                mx[rr] = T.max(mx[rr], m_w[rr])
-                al[rr] = T.exp2(m_w[rr] - mx[rr])
-                m_w[rr] = mx[rr]
-                l_w[rr] *= al[rr]
-            for nt in T.unroll(NT0):
-                for e in T.unroll(4):
-                    sc[nt * 4 + e] = T.if_then_else(sc[nt * 4 + e] <= _NEG, 0.0, T.exp2(sc[nt * 4 + e] - m_w[e // 2]))
-                    l_w[e // 2] += sc[nt * 4 + e]
-                for e in T.unroll(4):  # A's (row, column) e <- accumulator element (e % 2) * 2 + e // 2
-                    pa_h[nt * 4 + e] = _tf32_hi(sc[nt * 4 + (e % 2) * 2 + e // 2])
-                    pa_l[nt * 4 + e] = sc[nt * 4 + (e % 2) * 2 + e // 2] - pa_h[nt * 4 + e]
-            for e in T.unroll(VE * 4):
-                o_tmp[e] = 0.0
-            for nt in T.unroll(NT0):
-                for vt in T.unroll(VE):
-                    for j2 in T.unroll(2):
-                        vb_h[vt * 2 + j2] = _tf32_hi(T.cast(fv[(nt * 2 + j2) * VE + vt], "float32"))
-                        vb_l[vt * 2 + j2] = T.cast(fv[(nt * 2 + j2) * VE + vt], "float32") - vb_h[vt * 2 + j2]
-                for vt in T.unroll(VE):
-                    _mma(pa_h, nt * 4, vb_h, vt * 2, o_tmp, vt * 4)
-                for vt in T.unroll(VE):
-                    _mma(pa_h, nt * 4, vb_l, vt * 2, o_tmp, vt * 4)
-                for vt in T.unroll(VE):
-                    _mma(pa_l, nt * 4, vb_h, vt * 2, o_tmp, vt * 4)
-            for e in T.unroll(VE * 4):
-                o_acc[e] = o_acc[e] * al[e // 2 % 2] + o_tmp[e]
-
-        # the warps' states, combined in a fixed order, back into the fragments
-        for rr in T.unroll(2):
-            l_w[rr] += T.shfl_xor(l_w[rr], 1)
-            l_w[rr] += T.shfl_xor(l_w[rr], 2)
-        if tg == 0:
-            for rr in T.unroll(2):
-                red[w, gr + 8 * rr] = m_w[rr]
-        T.sync_threads()
-        for rr in T.unroll(2):
-            mx[rr] = T.max(T.max(red[0, gr + 8 * rr], red[1, gr + 8 * rr]), T.max(red[2, gr + 8 * rr], red[3, gr + 8 * rr]))
-            al[rr] = T.exp2(m_w[rr] - mx[rr])
-        T.sync_threads()  # every warp has read the maxima: red's rows take the sums, rescaled to the common maximum
-        if tg == 0:
-            for rr in T.unroll(2):
-                red[w, gr + 8 * rr] = l_w[rr] * al[rr]
-                if w == 0:
-                    red[4, gr + 8 * rr] = mx[rr]
-        for ww in T.serial(4):
-            if w == ww:
-                for vt in T.unroll(VE):
-                    for e in T.unroll(4):
-                        row = gr + 8 * (e // 2)
-                        col = VE * (2 * tg + e % 2) + vt
-                        o_sh[row, col] = o_acc[vt * 4 + e] * al[e // 2] + T.if_then_else(ww == 0, 0.0, o_sh[row, col])
-            T.sync_threads()
-        T.copy(o_sh, acc_o)
-        for i in T.Parallel(GP):
-            m_run[i] = red[4, i]
-        for i, j in T.Parallel(GP, block_n):
-            s_part[i, j] = T.if_then_else(j == 0, (red[0, i] + red[1, i]) + (red[2, i] + red[3, i]), 0.0)
-
     @T.prim_func
     def htree_fwd(
         Q: T.Tensor((B, Tn, H, K), dtype),
@@ -773,6 +600,8 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
         PartO: T.Tensor((B, TP, H, V), "float32"),
         PartML: T.Tensor((B, TP, H, 2), "float32"),
         Sel: T.Tensor((SL, SB, ST, Hkv, top_k), "int32"),
+        Par: T.Tensor((B, TQ, Hkv, top_k), "int32"),
+        N0: T.Tensor((B, TQ, Hkv), "int32"),
         num_layers: T.int32,
         write_sel: T.int32,
         t_start: T.int32,
@@ -795,9 +624,6 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             v_s = k_s if K == V else T.alloc_shared((block_n, V), cdt)
             v_lo = k_lo if K == V else T.alloc_shared((block_n, V) if split else (1, 1), cdt)
             prob_s = T.alloc_shared((GP, block_n), "float32")
-            # merge_layer0_mma's exchanges: O, and per warp the heads' maxima and sums
-            o_sh = T.alloc_shared((GP, V) if mma0 else (1, 1), "float32")
-            red = T.alloc_shared((5, GP) if mma0 else (1, 1), "float32")
             keys = T.alloc_shared((nbuf,), "int32")
             parents = T.alloc_shared((top_k,), "int32")
             chosen = T.alloc_shared((top_k,), "int32")
@@ -947,9 +773,11 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                             m_new[g] = T.max(m_run[g], lse[g])
                         rescale(acc_o, s_part, m_run, m_new)
                 # (3) merge the non-winners (layer 0: everything) into the online softmax
-                if mma0 and l == 0 and num_layers > 1:  # (a single layer reads the pre-rotated top rows)
-                    merge_layer0_mma(Kt, Vt, Cos, Sin, parents, q_raw, red, o_sh, acc_o, s_part, m_run, lse, tx, b,
-                                     h, n, n_par)
+                if split0 and l == 0 and num_layers > 1:  # htree_layer0_kernel merges layer 0
+                    if tx == 0:
+                        N0[b, ts, h] = n
+                    for i in T.Parallel(top_k):
+                        Par[b, ts, h, i] = parents[i]
                 elif l == 0 or (n > top_k and l < num_layers - 1):
                     gather_k(Kt, NodesK, TopK, Cos, Sin, parents, kt, kx, ky, kc, ks, b, h, l, l == num_layers - 1,
                              0, off, n, n_par)
@@ -1002,6 +830,233 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     return htree_fwd
 
 
+def htree_layer0_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, compression_rate: int,
+                        top_k: int, max_top_nodes: int, scale: float, tiles0: int = 2, min_blocks: int = 4):
+    """fp32 layer 0 (merge everything, running maximum) of the rows of one slab (K, V in {32, 64}, G <= 16),
+    after the walk left each row's layer-0 parents in Par, its candidate count in N0 and the state of the
+    layers above in PartO / PartML (updated in place). One CTA per row, as split-TF32 mma.sync products whose
+    operands go from the gathers straight into the PTX register fragments: no shared memory between a
+    candidate's load and the tensor cores (the walk is bound by the L1 data pipe, and staging operands through
+    shared memory cost ~20 of its ~28 wavefronts per candidate).
+    Each warp takes every fourth chunk of CH candidates with its own online-softmax state; the warps' states
+    are combined once, in a fixed order. Per 8-candidate tile, lane (gr, tg) = (lane / 4, lane % 4):
+      - scores S = Q K^T: B's column gr is candidate gr; dot products do not care about the order of the head
+        dimension, so lane tg's k-steps cover the RoPE pairs (KE tg + ks, half + KE tg + ks): two contiguous
+        loads per row and table, and each pair is rotated in the lane that loads it;
+      - O += P V: the accumulator's columns (2 tg, 2 tg + 1) are taken as A's columns (tg, tg + 4), i.e.
+        candidates 2 tg and 2 tg + 1, so P stays in the lane; B's column gr of V tile vt is V dim VE gr + vt:
+        one contiguous load per candidate.
+    The mma accumulators add in truncation, so each chunk's P V starts from zero and is added in fp32;
+    independent accumulators (hi*hi apart from the two corrections) keep the mma chains short."""
+    H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
+    G = H // Hkv
+    GP = 16
+    half = K // 2
+    nbuf = 1 << pack_bits(r, top_k, max_top_nodes)
+    KE, VE = K // 8, V // 8  # per lane: head dims of each half, V tiles
+    NT0 = tiles0 if K + V <= 64 else max(1, tiles0 // 2)  # 8-candidate tiles per chunk
+    CH = 8 * NT0
+    q_scale = scale * _LOG2E
+    dtype = "float32"
+    B, Tn, TS = T.dynamic("B"), T.dynamic("T"), T.dynamic("TS")
+
+    @T.prim_func
+    def htree_layer0(
+        Q: T.Tensor((B, Tn, H, K), dtype),
+        Kt: T.Tensor((B, Tn, Hkv, K), dtype),
+        Vt: T.Tensor((B, Tn, Hkv, V), dtype),
+        Cos: T.Tensor((nbuf, half), "float32"),
+        Sin: T.Tensor((nbuf, half), "float32"),
+        Par: T.Tensor((B, TS, Hkv, top_k), "int32"),
+        N0: T.Tensor((B, TS, Hkv), "int32"),
+        PartO: T.Tensor((B, TS, H, V), "float32"),
+        PartML: T.Tensor((B, TS, H, 2), "float32"),
+        t_start: T.int32,
+    ):
+        with T.Kernel(TS, Hkv, B, threads=128) as (ts, h, b):
+            T.annotate_min_blocks_per_sm(min_blocks)
+            q_raw = T.alloc_shared((G, K), dtype)
+            parents = T.alloc_shared((top_k,), "int32")
+            o_sh = T.alloc_shared((GP, V), "float32")
+            red = T.alloc_shared((5, GP), "float32")
+            qh = T.alloc_local((KE * 4,), "float32")  # A fragments of the rotated, scaled query, per k-step
+            ql = T.alloc_local((KE * 4,), "float32")
+            fk_x = T.alloc_local((NT0 * KE,), dtype)  # a chunk's gathers: K pairs, their table entries, V
+            fk_y = T.alloc_local((NT0 * KE,), dtype)
+            fk_c = T.alloc_local((NT0 * KE,), "float32")
+            fk_s = T.alloc_local((NT0 * KE,), "float32")
+            fv = T.alloc_local((NT0 * 2 * VE,), dtype)
+            kb_h = T.alloc_local((NT0 * KE * 2,), "float32")  # B fragments of the rotated K, per tile and k-step
+            kb_l = T.alloc_local((NT0 * KE * 2,), "float32")
+            sc = T.alloc_local((NT0 * 4,), "float32")  # scores (hi*hi), then probabilities
+            sc2 = T.alloc_local((NT0 * 4,), "float32")  # the scores' corrections (hi*lo + lo*hi)
+            pa_h = T.alloc_local((NT0 * 4,), "float32")
+            pa_l = T.alloc_local((NT0 * 4,), "float32")
+            vb_h = T.alloc_local((VE * 2,), "float32")
+            vb_l = T.alloc_local((VE * 2,), "float32")
+            o_acc = T.alloc_local((VE * 4,), "float32")
+            o_tmp = T.alloc_local((VE * 4,), "float32")
+            m_w = T.alloc_local((2,), "float32")  # rows gr and gr + 8: running maximum, partial sum
+            l_w = T.alloc_local((2,), "float32")
+            mx = T.alloc_local((2,), "float32")
+            al = T.alloc_local((2,), "float32")
+
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            w = tx // 32
+            gr = lane // 4
+            tg = lane % 4
+            t = t_start + ts
+            n = N0[b, ts, h]
+
+            for g, d in T.Parallel(G, K):
+                q_raw[g, d] = Q[b, t, h * G + g, d]
+            for i in T.Parallel(top_k):
+                parents[i] = Par[b, ts, h, i]
+            T.clear(o_sh)
+            T.sync_threads()
+            for ks in T.unroll(KE):
+                for rr in T.unroll(2):
+                    g = gr + 8 * rr
+                    i = KE * tg + ks
+                    x = T.if_then_else(g < G, q_raw[T.min(g, G - 1), i], 0.0)
+                    y = T.if_then_else(g < G, q_raw[T.min(g, G - 1), i + half], 0.0)
+                    lo_v = q_scale * (x * Cos[n - 1, i] - y * Sin[n - 1, i])
+                    hi_v = q_scale * (x * Sin[n - 1, i] + y * Cos[n - 1, i])
+                    qh[ks * 4 + rr] = _tf32_hi(lo_v)
+                    ql[ks * 4 + rr] = lo_v - qh[ks * 4 + rr]
+                    qh[ks * 4 + 2 + rr] = _tf32_hi(hi_v)
+                    ql[ks * 4 + 2 + rr] = hi_v - qh[ks * 4 + 2 + rr]
+            # the layers above: warp 0 carries their state, the others start empty (same reference)
+            for vt in T.unroll(VE):
+                for e in T.unroll(4):
+                    g = gr + 8 * (e // 2)
+                    o_acc[vt * 4 + e] = T.if_then_else(
+                        w == 0, T.if_then_else(g < G, PartO[b, ts, h * G + T.min(g, G - 1), VE * (2 * tg + e % 2) + vt],
+                                               0.0), 0.0)
+            for rr in T.unroll(2):
+                g = gr + 8 * rr
+                m_w[rr] = T.if_then_else(g < G, PartML[b, ts, h * G + T.min(g, G - 1), 0], 0.0)
+                l_w[rr] = T.if_then_else(w == 0, T.if_then_else(tg == 0, T.if_then_else(
+                    g < G, PartML[b, ts, h * G + T.min(g, G - 1), 1], 0.0), 0.0), 0.0)
+
+            for it in T.serial(T.ceildiv(T.max(T.ceildiv(n, CH) - w, 0), 4)):
+                c0 = (w + 4 * it) * CH
+                # all of the chunk's gathers in flight at once (candidates past n, masked below, read clamped rows).
+                # With r >= 8 a tile's 8 candidates are 8 consecutive children of one parent.
+                for nt in T.unroll(NT0):
+                    p0 = c0 + 8 * nt
+                    if r >= 8:
+                        row0 = _child(parents, p0, r, top_k)
+                        row_k = T.max(T.min(row0 + gr, Tn - 1), 0)
+                    else:
+                        row_k = T.max(T.min(_child(parents, p0 + gr, r, top_k), Tn - 1), 0)
+                    slot = T.min(p0 + gr, nbuf - 1)
+                    for e in T.vectorized(KE):
+                        fk_x[nt * KE + e] = Kt[b, row_k, h, KE * tg + e]
+                    for e in T.vectorized(KE):
+                        fk_y[nt * KE + e] = Kt[b, row_k, h, half + KE * tg + e]
+                    for e in T.vectorized(KE):
+                        fk_c[nt * KE + e] = Cos[slot, KE * tg + e]
+                    for e in T.vectorized(KE):
+                        fk_s[nt * KE + e] = Sin[slot, KE * tg + e]
+                    for j2 in T.unroll(2):
+                        if r >= 8:
+                            row_v = T.max(T.min(row0 + 2 * tg + j2, Tn - 1), 0)
+                        else:
+                            row_v = T.max(T.min(_child(parents, p0 + 2 * tg + j2, r, top_k), Tn - 1), 0)
+                        for e in T.vectorized(VE):
+                            fv[(nt * 2 + j2) * VE + e] = Vt[b, row_v, h, VE * gr + e]
+                for nt in T.unroll(NT0):
+                    for ks in T.unroll(KE):
+                        x = fk_x[nt * KE + ks]
+                        y = fk_y[nt * KE + ks]
+                        lo_v = x * fk_c[nt * KE + ks] - y * fk_s[nt * KE + ks]
+                        hi_v = x * fk_s[nt * KE + ks] + y * fk_c[nt * KE + ks]
+                        kb_h[(nt * KE + ks) * 2] = _tf32_hi(lo_v)
+                        kb_l[(nt * KE + ks) * 2] = lo_v - kb_h[(nt * KE + ks) * 2]
+                        kb_h[(nt * KE + ks) * 2 + 1] = _tf32_hi(hi_v)
+                        kb_l[(nt * KE + ks) * 2 + 1] = hi_v - kb_h[(nt * KE + ks) * 2 + 1]
+                    for e in T.unroll(4):
+                        sc[nt * 4 + e] = 0.0
+                        sc2[nt * 4 + e] = 0.0
+                    for ks in T.unroll(KE):
+                        _mma(qh, ks * 4, kb_h, (nt * KE + ks) * 2, sc, nt * 4)
+                        _mma(qh, ks * 4, kb_l, (nt * KE + ks) * 2, sc2, nt * 4)
+                        _mma(ql, ks * 4, kb_h, (nt * KE + ks) * 2, sc2, nt * 4)
+                for rr in T.unroll(2):
+                    mx[rr] = _NEG
+                for nt in T.unroll(NT0):
+                    for e in T.unroll(4):
+                        sc[nt * 4 + e] = T.if_then_else(c0 + 8 * nt + 2 * tg + e % 2 < n, sc[nt * 4 + e] + sc2[nt * 4 + e],
+                                                        _NEG)
+                        mx[e // 2] = T.max(mx[e // 2], sc[nt * 4 + e])
+                for rr in T.unroll(2):  # the row's maximum over its four lanes
+                    mx[rr] = T.max(mx[rr], T.shfl_xor(mx[rr], 1))
+                    mx[rr] = T.max(mx[rr], T.shfl_xor(mx[rr], 2))
+                    mx[rr] = T.max(mx[rr], m_w[rr])
+                    al[rr] = T.exp2(m_w[rr] - mx[rr])
+                    m_w[rr] = mx[rr]
+                    l_w[rr] *= al[rr]
+                for nt in T.unroll(NT0):
+                    for e in T.unroll(4):
+                        sc[nt * 4 + e] = T.if_then_else(sc[nt * 4 + e] <= _NEG, 0.0, T.exp2(sc[nt * 4 + e] - m_w[e // 2]))
+                        l_w[e // 2] += sc[nt * 4 + e]
+                    for e in T.unroll(4):  # A's (row, column) e <- accumulator element (e % 2) * 2 + e // 2
+                        pa_h[nt * 4 + e] = _tf32_hi(sc[nt * 4 + (e % 2) * 2 + e // 2])
+                        pa_l[nt * 4 + e] = sc[nt * 4 + (e % 2) * 2 + e // 2] - pa_h[nt * 4 + e]
+                for e in T.unroll(VE * 4):
+                    o_tmp[e] = 0.0
+                for nt in T.unroll(NT0):
+                    for vt in T.unroll(VE):
+                        for j2 in T.unroll(2):
+                            vb_h[vt * 2 + j2] = _tf32_hi(T.cast(fv[(nt * 2 + j2) * VE + vt], "float32"))
+                            vb_l[vt * 2 + j2] = T.cast(fv[(nt * 2 + j2) * VE + vt], "float32") - vb_h[vt * 2 + j2]
+                    for vt in T.unroll(VE):
+                        _mma(pa_h, nt * 4, vb_h, vt * 2, o_tmp, vt * 4)
+                    for vt in T.unroll(VE):
+                        _mma(pa_h, nt * 4, vb_l, vt * 2, o_tmp, vt * 4)
+                    for vt in T.unroll(VE):
+                        _mma(pa_l, nt * 4, vb_h, vt * 2, o_tmp, vt * 4)
+                for e in T.unroll(VE * 4):
+                    o_acc[e] = o_acc[e] * al[e // 2 % 2] + o_tmp[e]
+
+
+            # the warps' states, combined in a fixed order
+            for rr in T.unroll(2):
+                l_w[rr] += T.shfl_xor(l_w[rr], 1)
+                l_w[rr] += T.shfl_xor(l_w[rr], 2)
+            if tg == 0:
+                for rr in T.unroll(2):
+                    red[w, gr + 8 * rr] = m_w[rr]
+            T.sync_threads()
+            for rr in T.unroll(2):
+                mx[rr] = T.max(T.max(red[0, gr + 8 * rr], red[1, gr + 8 * rr]),
+                               T.max(red[2, gr + 8 * rr], red[3, gr + 8 * rr]))
+                al[rr] = T.exp2(m_w[rr] - mx[rr])
+            T.sync_threads()  # every warp has read the maxima: red's rows take the sums, rescaled to the common one
+            if tg == 0:
+                for rr in T.unroll(2):
+                    red[w, gr + 8 * rr] = l_w[rr] * al[rr]
+                    if w == 0:
+                        red[4, gr + 8 * rr] = mx[rr]
+            for ww in T.serial(4):
+                if w == ww:
+                    for vt in T.unroll(VE):
+                        for e in T.unroll(4):
+                            row = gr + 8 * (e // 2)
+                            col = VE * (2 * tg + e % 2) + vt
+                            o_sh[row, col] += o_acc[vt * 4 + e] * al[e // 2]
+                T.sync_threads()
+            for g, d in T.Parallel(G, V):
+                PartO[b, ts, h * G + g, d] = o_sh[g, d]
+            for g in T.Parallel(G):
+                PartML[b, ts, h * G + g, 0] = red[4, g]
+                PartML[b, ts, h * G + g, 1] = (red[0, g] + red[1, g]) + (red[2, g] + red[3, g])
+
+    return htree_layer0
+
+
 def _split_tf32(x: torch.Tensor) -> torch.Tensor:
     """[2, *x.shape] fp32: x's TF32-exact high part and its remainder, as the bit patterns the kernels'
     TF32 operand stores write (CUTLASS's round_half_ulp_truncate adds half a TF32 ulp, 0x1000, to finite
@@ -1031,8 +1086,10 @@ class HTreeForwardTileLang:
     # spills), so K > 32 takes chunks of 32 and 3 CTAs per SM (H200, (b) T=32768: 434 vs 600 ms); at
     # K = 32 (fp32: ~32 registers, 72 KB of shared memory) chunks of 64 fit 3 CTAs per SM. chunk_rope
     # (16-bit only) measured 2-9% faster (H100, (b) T=32768 382 -> 349 ms, 131072 1816 -> 1781 ms).
-    DEFAULT_CONFIG = {"block_n": 32, "threads": 128, "min_blocks": 3, "chunk_rope": True, "tiles0": 2}
-    SMALL_HEAD_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 3, "chunk_rope": True, "tiles0": 2}  # K <= 32
+    # tiles0, min_blocks0: htree_layer0_kernel's (fp32 with K, V <= 64 only)
+    DEFAULT_CONFIG = {"block_n": 32, "threads": 128, "min_blocks": 3, "chunk_rope": True, "tiles0": 2, "min_blocks0": 4}
+    SMALL_HEAD_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 3, "chunk_rope": True, "tiles0": 2,
+                         "min_blocks0": 4}  # head_dim <= 32
     tunable_kernel = staticmethod(htree_fwd_kernel)
 
     @staticmethod
@@ -1084,7 +1141,13 @@ class HTreeForwardTileLang:
                                                              _DTYPES[dtype], block_n=chunk["keys"]))
         self.top_merge = compile_kernel(htree_top_merge_kernel(num_heads, num_kv_heads, head_dim, v_head_dim,
                                                                self.scale, _DTYPES[dtype], block_n=chunk["merge"]))
-        self.kernel = compile_kernel(htree_fwd_kernel(**self.spec, **self.config))
+        walk = {k: v for k, v in self.config.items() if k not in ("tiles0", "min_blocks0")}
+        self.kernel = compile_kernel(htree_fwd_kernel(**self.spec, **walk))
+        self.layer0 = None
+        if _split_layer0(_DTYPES[dtype], head_dim, v_head_dim, num_heads // num_kv_heads):
+            self.layer0 = compile_kernel(htree_layer0_kernel(
+                num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate, top_k_per_layer, max_top_nodes,
+                self.scale, tiles0=self.config["tiles0"], min_blocks=self.config["min_blocks0"]))
         self._tables = {}
 
     def _rope(self, device):
@@ -1141,7 +1204,7 @@ class HTreeForwardTileLang:
         if L == 1:  # one layer: the walk merges everything and writes O (no top-layer workspaces)
             self.kernel(q, k, v, nodes_k, nodes_v, top, torch.empty(B, 1, Hkv, 1, **i32), cos, sin, layer_off, out,
                         torch.empty(B, T, Hkv, **i32), torch.empty(B, 1, H, V, **f32), torch.empty(B, 1, H, 2, **f32),
-                        sel, L, 0, 0)
+                        sel, torch.empty(B, 1, Hkv, self.top_k, **i32), torch.empty(B, 1, Hkv, **i32), L, 0, 0)
             return (out, []) if return_selection else out
         shift = (L - 1) * int(math.log2(self.compression_rate))
         lse = torch.empty(B, T, H, **f32)
@@ -1158,6 +1221,9 @@ class HTreeForwardTileLang:
         keys_buf = torch.empty(B * slab * Hkv * n_top, **i32)
         thr_buf = torch.empty(B * slab * Hkv, **i32)
         part_o_buf, part_ml_buf = torch.empty(B * slab * H * V, **f32), torch.empty(B * slab * H * 2, **f32)
+        # layer 0's parents and candidate counts, for htree_layer0_kernel (else one-row placeholders)
+        par_rows = slab if self.layer0 is not None else 1
+        par_buf, n0_buf = torch.empty(B * par_rows * Hkv * self.top_k, **i32), torch.empty(B * par_rows * Hkv, **i32)
 
         def carve(buf, *shape):  # a contiguous view of the slab's part of a workspace
             return buf[:math.prod(shape)].view(shape)
@@ -1167,8 +1233,12 @@ class HTreeForwardTileLang:
             nk = ((t0 + ts - 1) >> shift) + 1  # the slab's last query has the most top-layer candidates
             keys, thr = carve(keys_buf, B, ts, Hkv, nk), carve(thr_buf, B, ts, Hkv)
             part_o, part_ml = carve(part_o_buf, B, ts, H, V), carve(part_ml_buf, B, ts, H, 2)
+            par_ts = ts if self.layer0 is not None else 1
+            par, n0 = carve(par_buf, B, par_ts, Hkv, self.top_k), carve(n0_buf, B, par_ts, Hkv)
             self.top_keys(q, top_k, cos, sin, lse, keys, shift, t0)
-            self.kernel(q, k, v, nodes_k, nodes_v, top, keys, cos, sin, layer_off, out, thr, part_o, part_ml, sel, L,
-                        int(write_sel), t0)
+            self.kernel(q, k, v, nodes_k, nodes_v, top, keys, cos, sin, layer_off, out, thr, part_o, part_ml, sel, par,
+                        n0, L, int(write_sel), t0)
+            if self.layer0 is not None:
+                self.layer0(q, k, v, cos, sin, par, n0, part_o, part_ml, t0)
             self.top_merge(q, top_k, top_v, cos, sin, lse, keys, thr, part_o, part_ml, out, shift, t0, top_off)
         return (out, list(sel.unbind(0)) if write_sel else []) if return_selection else out

@@ -14,7 +14,7 @@ CASES = [
     (torch.bfloat16, 8, 2, 32, 64, 4, 4, 16, 300),
     (torch.float32, 32, 2, 64, 32, 8, 16, 64, 2001),
     (torch.bfloat16, 2, 2, 128, 128, 16, 32, 512, 5003),
-    # K = V = 32 in fp32 (layer 0 from register fragments, merge_layer0_mma, as all fp32 cases here); r >= 8
+    # K = V = 32 in fp32 (layer 0 from register fragments, htree_layer0_kernel, as all fp32 cases here); r >= 8
     # takes its contiguous-children loads
     (torch.float32, 16, 1, 32, 32, 4, 8, 32, 777),
     (torch.float32, 8, 2, 32, 32, 4, 4, 16, 300),
