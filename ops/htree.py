@@ -1086,7 +1086,9 @@ class HTreeForwardTileLang:
     # spills), so K > 32 takes chunks of 32 and 3 CTAs per SM (H200, (b) T=32768: 434 vs 600 ms); at
     # K = 32 (fp32: ~32 registers, 72 KB of shared memory) chunks of 64 fit 3 CTAs per SM. chunk_rope
     # (16-bit only) measured 2-9% faster (H100, (b) T=32768 382 -> 349 ms, 131072 1816 -> 1781 ms).
-    # tiles0, min_blocks0: htree_layer0_kernel's (fp32 with K, V <= 64 only)
+    # tiles0, min_blocks0: htree_layer0_kernel's (fp32 with K, V in {32, 64}): 8-candidate tiles per warp step and
+    # CTAs per SM, measured at (a) (2 and 4: 127 registers, no spills; docs/perf.md), not in the autotuned space
+    # (config_space tunes the walk, tunable_kernel)
     DEFAULT_CONFIG = {"block_n": 32, "threads": 128, "min_blocks": 3, "chunk_rope": True, "tiles0": 2, "min_blocks0": 4}
     SMALL_HEAD_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 3, "chunk_rope": True, "tiles0": 2,
                          "min_blocks0": 4}  # head_dim <= 32
