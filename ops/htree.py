@@ -119,10 +119,10 @@ def _child(parents, p, r: int, top_k: int):
     return parents[T.min(p >> int(math.log2(r)), top_k - 1)] * r + T.bitwise_and(p, r - 1)
 
 
-def _operand_stores(dtype: str, half: int, split: bool | None = None):
-    """Macros storing fp32 values as mma operands of ``dtype`` (fp32: split-TF32 halves in two tiles, unless
-    ``split`` is False): put(x, dst, dst_lo, i, j), and put_rotated for a RoPE pair (i, i + half)."""
-    split = dtype == "float32" if split is None else split
+def _operand_stores(dtype: str, half: int):
+    """Macros storing fp32 values as mma operands of ``dtype`` (fp32: split-TF32 halves in two tiles):
+    put(x, dst, dst_lo, i, j), and put_rotated for a RoPE pair (i, i + half)."""
+    split = dtype == "float32"
 
     @T.macro
     def put(x, dst, dst_lo, i, j):
