@@ -102,6 +102,18 @@ def _tf32_hi(x):
     return T.reinterpret(T.bitwise_and(T.reinterpret(x, "int32"), T.int32(-8192)), "float32")
 
 
+@T.macro
+def _split(v, hi, lo, i):
+    """hi[i], lo[i] = the split-TF32 halves of fp32 v (local buffers)."""
+    hi[i] = _tf32_hi(v)
+    lo[i] = v - hi[i]
+
+
+def _rope_pair(x, y, cos, sin):
+    """Rotate-half RoPE of the pair (x, y) = (v[i], v[i + K/2]) at the angle of (cos, sin)."""
+    return x * cos - y * sin, x * sin + y * cos
+
+
 def _mma(a, ai, b, bi, c, ci):
     """c[ci:ci+4] += a @ b for one m16n8k8 TF32 tile held in registers, in the PTX fragment layouts (a at ai,
     four values; b at bi, two; c four)."""
@@ -136,8 +148,9 @@ def _operand_stores(dtype: str, half: int):
     @T.macro
     def put_rotated(x, y, cos, sin, mul, ok, dst, dst_lo, row, i):
         """dst[row, i], dst[row, i + half] = mul * rotate-half RoPE of the pair (x, y); 0 unless ok."""
-        lo = T.if_then_else(ok, mul * (x * cos - y * sin), 0.0)
-        hi = T.if_then_else(ok, mul * (x * sin + y * cos), 0.0)
+        lo, hi = _rope_pair(x, y, cos, sin)
+        lo = T.if_then_else(ok, mul * lo, 0.0)
+        hi = T.if_then_else(ok, mul * hi, 0.0)
         put(lo, dst, dst_lo, row, i)
         put(hi, dst, dst_lo, row, i + half)
 
@@ -203,8 +216,9 @@ def htree_rope_kernel(num_kv_heads: int, head_dim: int, dtype: str, block_i: int
                 if node < NT:
                     x = T.cast(Src[b, src_off + node, h, d], "float32")
                     y = T.cast(Src[b, src_off + node, h, d + half], "float32")
-                    Dst[b, h, node, d] = T.cast(x * Cos[node, d] - y * Sin[node, d], dtype)
-                    Dst[b, h, node, d + half] = T.cast(x * Sin[node, d] + y * Cos[node, d], dtype)
+                    lo, hi = _rope_pair(x, y, Cos[node, d], Sin[node, d])
+                    Dst[b, h, node, d] = T.cast(lo, dtype)
+                    Dst[b, h, node, d + half] = T.cast(hi, dtype)
 
     return htree_rope
 
@@ -921,12 +935,9 @@ def htree_layer0_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head
                     i = KE * tg + ks
                     x = T.if_then_else(g < G, q_raw[T.min(g, G - 1), i], 0.0)
                     y = T.if_then_else(g < G, q_raw[T.min(g, G - 1), i + half], 0.0)
-                    lo_v = q_scale * (x * Cos[n - 1, i] - y * Sin[n - 1, i])
-                    hi_v = q_scale * (x * Sin[n - 1, i] + y * Cos[n - 1, i])
-                    qh[ks * 4 + rr] = _tf32_hi(lo_v)
-                    ql[ks * 4 + rr] = lo_v - qh[ks * 4 + rr]
-                    qh[ks * 4 + 2 + rr] = _tf32_hi(hi_v)
-                    ql[ks * 4 + 2 + rr] = hi_v - qh[ks * 4 + 2 + rr]
+                    lo_v, hi_v = _rope_pair(x, y, Cos[n - 1, i], Sin[n - 1, i])
+                    _split(q_scale * lo_v, qh, ql, ks * 4 + rr)
+                    _split(q_scale * hi_v, qh, ql, ks * 4 + 2 + rr)
             # the layers above: warp 0 carries their state, the others start empty (same reference)
             for vt in T.unroll(VE):
                 for e in T.unroll(4):
@@ -969,14 +980,10 @@ def htree_layer0_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head
                             fv[(nt * 2 + j2) * VE + e] = Vt[b, row_v, h, VE * gr + e]
                 for nt in T.unroll(NT0):
                     for ks in T.unroll(KE):
-                        x = fk_x[nt * KE + ks]
-                        y = fk_y[nt * KE + ks]
-                        lo_v = x * fk_c[nt * KE + ks] - y * fk_s[nt * KE + ks]
-                        hi_v = x * fk_s[nt * KE + ks] + y * fk_c[nt * KE + ks]
-                        kb_h[(nt * KE + ks) * 2] = _tf32_hi(lo_v)
-                        kb_l[(nt * KE + ks) * 2] = lo_v - kb_h[(nt * KE + ks) * 2]
-                        kb_h[(nt * KE + ks) * 2 + 1] = _tf32_hi(hi_v)
-                        kb_l[(nt * KE + ks) * 2 + 1] = hi_v - kb_h[(nt * KE + ks) * 2 + 1]
+                        lo_v, hi_v = _rope_pair(fk_x[nt * KE + ks], fk_y[nt * KE + ks], fk_c[nt * KE + ks],
+                                                fk_s[nt * KE + ks])
+                        _split(lo_v, kb_h, kb_l, (nt * KE + ks) * 2)
+                        _split(hi_v, kb_h, kb_l, (nt * KE + ks) * 2 + 1)
                     for e in T.unroll(4):
                         sc[nt * 4 + e] = 0.0
                         sc2[nt * 4 + e] = 0.0
@@ -988,8 +995,8 @@ def htree_layer0_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head
                     mx[rr] = _NEG
                 for nt in T.unroll(NT0):
                     for e in T.unroll(4):
-                        sc[nt * 4 + e] = T.if_then_else(c0 + 8 * nt + 2 * tg + e % 2 < n, sc[nt * 4 + e] + sc2[nt * 4 + e],
-                                                        _NEG)
+                        sc[nt * 4 + e] = T.if_then_else(c0 + 8 * nt + 2 * tg + e % 2 < n,
+                                                        sc[nt * 4 + e] + sc2[nt * 4 + e], _NEG)
                         mx[e // 2] = T.max(mx[e // 2], sc[nt * 4 + e])
                 for rr in T.unroll(2):  # the row's maximum over its four lanes
                     mx[rr] = T.max(mx[rr], T.shfl_xor(mx[rr], 1))
@@ -1000,18 +1007,17 @@ def htree_layer0_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head
                     l_w[rr] *= al[rr]
                 for nt in T.unroll(NT0):
                     for e in T.unroll(4):
-                        sc[nt * 4 + e] = T.if_then_else(sc[nt * 4 + e] <= _NEG, 0.0, T.exp2(sc[nt * 4 + e] - m_w[e // 2]))
+                        sc[nt * 4 + e] = T.if_then_else(sc[nt * 4 + e] <= _NEG, 0.0,
+                                                        T.exp2(sc[nt * 4 + e] - m_w[e // 2]))
                         l_w[e // 2] += sc[nt * 4 + e]
                     for e in T.unroll(4):  # A's (row, column) e <- accumulator element (e % 2) * 2 + e // 2
-                        pa_h[nt * 4 + e] = _tf32_hi(sc[nt * 4 + (e % 2) * 2 + e // 2])
-                        pa_l[nt * 4 + e] = sc[nt * 4 + (e % 2) * 2 + e // 2] - pa_h[nt * 4 + e]
+                        _split(sc[nt * 4 + (e % 2) * 2 + e // 2], pa_h, pa_l, nt * 4 + e)
                 for e in T.unroll(VE * 4):
                     o_tmp[e] = 0.0
                 for nt in T.unroll(NT0):
                     for vt in T.unroll(VE):
                         for j2 in T.unroll(2):
-                            vb_h[vt * 2 + j2] = _tf32_hi(T.cast(fv[(nt * 2 + j2) * VE + vt], "float32"))
-                            vb_l[vt * 2 + j2] = T.cast(fv[(nt * 2 + j2) * VE + vt], "float32") - vb_h[vt * 2 + j2]
+                            _split(fv[(nt * 2 + j2) * VE + vt], vb_h, vb_l, vt * 2 + j2)
                     for vt in T.unroll(VE):
                         _mma(pa_h, nt * 4, vb_h, vt * 2, o_tmp, vt * 4)
                     for vt in T.unroll(VE):
@@ -1235,8 +1241,7 @@ class HTreeForwardTileLang:
             nk = ((t0 + ts - 1) >> shift) + 1  # the slab's last query has the most top-layer candidates
             keys, thr = carve(keys_buf, B, ts, Hkv, nk), carve(thr_buf, B, ts, Hkv)
             part_o, part_ml = carve(part_o_buf, B, ts, H, V), carve(part_ml_buf, B, ts, H, 2)
-            par_ts = ts if self.layer0 is not None else 1
-            par, n0 = carve(par_buf, B, par_ts, Hkv, self.top_k), carve(n0_buf, B, par_ts, Hkv)
+            par, n0 = carve(par_buf, B, min(ts, par_rows), Hkv, self.top_k), carve(n0_buf, B, min(ts, par_rows), Hkv)
             self.top_keys(q, top_k, cos, sin, lse, keys, shift, t0)
             self.kernel(q, k, v, nodes_k, nodes_v, top, keys, cos, sin, layer_off, out, thr, part_o, part_ml, sel, par,
                         n0, L, int(write_sel), t0)

@@ -183,7 +183,7 @@ def test_compiles_fp32_layer0_variants():
     """fp32 layer 0 from register fragments with K != V, r < 8 (candidate rows one by one) and one tile per step."""
     op = HTreeForwardTileLang(16, 1, 64, 32, compression_rate=4, top_k_per_layer=16, max_top_nodes=64,
                               dtype=torch.float32, config={"tiles0": 1})
-    assert op.kernel is not None
+    assert op.kernel is not None and op.layer0 is not None
 
 
 @pytest.mark.compile
