@@ -114,16 +114,20 @@ def _rope_pair(x, y, cos, sin):
     return x * cos - y * sin, x * sin + y * cos
 
 
-def _mma(a, ai, b, bi, c, ci):
-    """c[ci:ci+4] += a @ b for one m16n8k8 TF32 tile held in registers, in the PTX fragment layouts (a at ai,
-    four values; b at bi, two; c four)."""
-    return T.ptx_mma("float32", "m16n8k8", "row", "col", "tf32", "tf32", "fp32", a.data, ai, b.data, bi, c.data, ci,
-                     False)
+def _mma(a, ai, b, bi, c, ci, dtype: str = "float32"):
+    """c[ci:ci+4] += a @ b for one tile held in registers, in the PTX fragment layouts: fp32 as an m16n8k8 TF32
+    tile (a at ai, four values; b at bi, two), 16-bit as m16n8k16 (eight and four); c four fp32."""
+    shape, ab = {"float32": ("m16n8k8", "tf32"), "float16": ("m16n8k16", "fp16"),
+                 "bfloat16": ("m16n8k16", "bf16")}[dtype]
+    return T.ptx_mma("float32", shape, "row", "col", ab, ab, "fp32", a.data, ai, b.data, bi, c.data, ci, False)
 
 
-def _split_layer0(dtype: str, K: int, V: int, G: int) -> bool:
-    """Whether layer 0 runs in its own kernel (htree_layer0_kernel: fp32, K and V in {32, 64}, G <= 16)."""
-    return dtype == "float32" and K in (32, 64) and V in (32, 64) and G <= 16
+def _split_layer0(dtype: str, K: int, V: int, G: int, r: int) -> bool:
+    """Whether layer 0 runs in its own kernel: htree_layer0_kernel (fp32, K and V in {32, 64}, G <= 16) or
+    htree_layer0_16bit_kernel (16-bit, r >= 16: a 16-candidate tile never spans two parents)."""
+    if dtype == "float32":
+        return K in (32, 64) and V in (32, 64) and G <= 16
+    return r >= 16
 
 
 def _child(parents, p, r: int, top_k: int):
@@ -200,9 +204,11 @@ def _packed_key(prob, num_heads: int, row, j, p, n, pos_mask: int):
     return T.bitwise_or(T.bitwise_and(bits, ~pos_mask), T.bitwise_and(T.bitwise_not(p), pos_mask))
 
 
-def htree_rope_kernel(num_kv_heads: int, head_dim: int, dtype: str, block_i: int = 32, threads: int = 128):
-    """Dst[b, h, i] = Src[b, src_off + i, h] rotated at position i: the top layer's candidates are the
-    same nodes at the same buffer positions for every query, so they are rotated once, not per query."""
+def htree_rope_kernel(num_kv_heads: int, head_dim: int, dtype: str, period: int = 0, block_i: int = 32,
+                      threads: int = 128):
+    """Dst[b, h, i] = Src[b, src_off + i, h] rotated at position i (i % period with a period): the top layer's
+    candidates are the same nodes at the same buffer positions for every query, so they are rotated once,
+    not per query; the tokens are rotated at their child index t % r for htree_layer0_16bit_kernel."""
     H, K = num_kv_heads, head_dim
     half = K // 2
     B, NS, NT, NC = T.dynamic("B"), T.dynamic("NS"), T.dynamic("NT"), T.dynamic("NC")
@@ -216,7 +222,8 @@ def htree_rope_kernel(num_kv_heads: int, head_dim: int, dtype: str, block_i: int
                 if node < NT:
                     x = T.cast(Src[b, src_off + node, h, d], "float32")
                     y = T.cast(Src[b, src_off + node, h, d + half], "float32")
-                    lo, hi = _rope_pair(x, y, Cos[node, d], Sin[node, d])
+                    pos = T.bitwise_and(node, period - 1) if period else node
+                    lo, hi = _rope_pair(x, y, Cos[pos, d], Sin[pos, d])
                     Dst[b, h, node, d] = T.cast(lo, dtype)
                     Dst[b, h, node, d + half] = T.cast(hi, dtype)
 
@@ -489,7 +496,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     nbuf = 1 << log_n  # every candidate buffer position is below this
     pos_mask = nbuf - 1
     split = dtype == "float32"  # split-TF32 products
-    split0 = _split_layer0(dtype, K, V, G)  # layer 0 left to htree_layer0_kernel
+    split0 = _split_layer0(dtype, K, V, G, r)  # layer 0 left to a layer-0 kernel
     # chunk_rope (16-bit inputs): below the top, candidate p = c0 + j is rotated at j (table entries fixed
     # per thread, loaded once) and the query at n - 1 - c0 once per chunk, instead of loading the table
     # rows of every p. Exact in real arithmetic, but the composed angles round differently from the
@@ -787,7 +794,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                             m_new[g] = T.max(m_run[g], lse[g])
                         rescale(acc_o, s_part, m_run, m_new)
                 # (3) merge the non-winners (layer 0: everything) into the online softmax
-                if split0 and l == 0 and num_layers > 1:  # htree_layer0_kernel merges layer 0
+                if split0 and l == 0 and num_layers > 1:  # a layer-0 kernel merges layer 0
                     if tx == 0:
                         N0[b, ts, h] = n
                     for i in T.Parallel(top_k):
@@ -1063,6 +1070,210 @@ def htree_layer0_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head
     return htree_layer0
 
 
+def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
+                              compression_rate: int, top_k: int, max_top_nodes: int, scale: float, dtype: str,
+                              min_blocks: int = 3):
+    """16-bit layer 0 (merge everything, running maximum) of the rows of one slab, for r >= 16, after the walk
+    left each row's layer-0 parents in Par, its candidate count in N0 and the state of the layers above in
+    PartO / PartML (updated in place). One CTA per row; each warp takes every fourth tile of 16 candidates
+    (one parent's children, r >= 16) with its own online softmax, combined once in a fixed order.
+    No RoPE table rows per candidate: candidate p = r pi + c (child c of parent slot pi) is rotated at p, and
+    <R(q, n - 1), R(k, r pi + c)> = <R(q, n - 1 - r pi), R(k, c)>, so the tokens come pre-rotated at their
+    child index (KRot, ``htree_rope_kernel`` with period r) and the query is rotated once per tile.
+    The operands go from the gathers straight into m16n8k16 mma.sync fragments (lane (gr, tg) = (lane / 4,
+    lane % 4)); dot products do not care about the order of the dimensions they sum, which is permuted so that
+    every lane loads contiguous runs:
+      - scores S = Q K^T (M = 16 heads, two 8-candidate tiles): k-step ks's columns (2 tg, 2 tg + 1) are the
+        dims (KP tg + 2 ks, + 1) and columns (2 tg + 8, + 9) the same dims + K/2, so a lane holds whole RoPE
+        pairs of the query and two runs of K/8 dims of its candidates gr and gr + 8;
+      - O^T += V^T P^T (M = 16 V dims, N = 8 heads, K = the 16 candidates): the score accumulators are P^T's
+        B fragments as they are (no transpose); V dim VP gr + 2 mt (+ 1) is row gr (gr + 8) of m-tile mt, so a
+        lane loads one run of V/8 dims of each of its candidates 2 tg, 2 tg + 1, 2 tg + 8, 2 tg + 9."""
+    H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
+    G = H // Hkv
+    NH = 1 if G <= 8 else 2  # heads in tiles of 8: score rows gr (and gr + 8), O^T's N tiles
+    half = K // 2
+    KP, VP = K // 8, V // 8  # per lane: RoPE pairs of the query, V dims of a candidate
+    KS, VM = K // 16, V // 16  # the scores' k-steps, O^T's m-tiles
+    nbuf = 1 << pack_bits(r, top_k, max_top_nodes)
+    q_scale = scale * _LOG2E
+    B, Tn, TS = T.dynamic("B"), T.dynamic("T"), T.dynamic("TS")
+
+    @T.prim_func
+    def htree_layer0_16bit(
+        Q: T.Tensor((B, Tn, H, K), dtype),
+        KRot: T.Tensor((B, Hkv, Tn, K), dtype),
+        Vt: T.Tensor((B, Tn, Hkv, V), dtype),
+        Cos: T.Tensor((nbuf, half), "float32"),
+        Sin: T.Tensor((nbuf, half), "float32"),
+        Par: T.Tensor((B, TS, Hkv, top_k), "int32"),
+        N0: T.Tensor((B, TS, Hkv), "int32"),
+        PartO: T.Tensor((B, TS, H, V), "float32"),
+        PartML: T.Tensor((B, TS, H, 2), "float32"),
+        t_start: T.int32,
+    ):
+        with T.Kernel(TS, Hkv, B, threads=128) as (ts, h, b):
+            T.annotate_min_blocks_per_sm(min_blocks)
+            parents = T.alloc_shared((top_k,), "int32")
+            o_sh = T.alloc_shared((16, V), "float32")
+            red = T.alloc_shared((5, 16), "float32")
+            qx = T.alloc_local((NH * KP,), dtype)  # the raw query pairs (i, i + K/2) of head rows gr (gr + 8)
+            qy = T.alloc_local((NH * KP,), dtype)
+            fc = T.alloc_local((KP,), "float32")  # a tile's gathers: its RoPE angle, K rows gr and gr + 8, V rows
+            fs = T.alloc_local((KP,), "float32")
+            fk_x = T.alloc_local((2 * KP,), dtype)
+            fk_y = T.alloc_local((2 * KP,), dtype)
+            fv = T.alloc_local((4 * VP,), dtype)
+            qa = T.alloc_local((KS * 8,), dtype)  # A fragments of the rotated query, per k-step
+            kb = T.alloc_local((4,), dtype)
+            va = T.alloc_local((8,), dtype)
+            pb = T.alloc_local((NH * 4,), dtype)  # B fragments of P^T, per head tile
+            sc = T.alloc_local((8,), "float32")
+            o_acc = T.alloc_local((VM * NH * 4,), "float32")
+            m_w = T.alloc_local((2,), "float32")  # head rows gr and gr + 8: running maximum, partial sum
+            l_w = T.alloc_local((2,), "float32")
+            mx = T.alloc_local((2,), "float32")
+            al = T.alloc_local((2,), "float32")
+
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            w = tx // 32
+            gr = lane // 4
+            tg = lane % 4
+            t = t_start + ts
+            n = N0[b, ts, h]
+
+            for i in T.Parallel(top_k):
+                parents[i] = Par[b, ts, h, i]
+            T.clear(o_sh)
+            for rr in T.unroll(NH):
+                g = gr + 8 * rr
+                for e in T.unroll(KP):
+                    qx[rr * KP + e] = T.if_then_else(g < G, Q[b, t, h * G + T.min(g, G - 1), KP * tg + e],
+                                                     T.cast(0.0, dtype))
+                    qy[rr * KP + e] = T.if_then_else(g < G, Q[b, t, h * G + T.min(g, G - 1), half + KP * tg + e],
+                                                     T.cast(0.0, dtype))
+            for i in T.unroll(KS * 8):  # rows gr + 8 stay zero with G <= 8
+                qa[i] = T.cast(0.0, dtype)
+            # the layers above: warp 0 carries their state, the others start empty (same reference)
+            for mt in T.unroll(VM):
+                for nh in T.unroll(NH):
+                    for e in T.unroll(4):
+                        g = 8 * nh + 2 * tg + e % 2
+                        o_acc[(mt * NH + nh) * 4 + e] = T.if_then_else(
+                            w == 0 and g < G, PartO[b, ts, h * G + T.min(g, G - 1), VP * gr + 2 * mt + e // 2], 0.0)
+            for rr in T.unroll(2):
+                g = gr + 8 * rr
+                m_w[rr] = T.if_then_else(g < G, PartML[b, ts, h * G + T.min(g, G - 1), 0], 0.0)
+                l_w[rr] = T.if_then_else(w == 0 and tg == 0 and g < G, PartML[b, ts, h * G + T.min(g, G - 1), 1], 0.0)
+            T.sync_threads()
+
+            for it in T.serial(T.ceildiv(T.max(T.ceildiv(n, 16) - w, 0), 4)):
+                p0 = (w + 4 * it) * 16
+                pi = p0 // r
+                row0 = parents[T.min(pi, top_k - 1)] * r + T.bitwise_and(p0, r - 1)
+                # K and the angle's table rows in flight at once (candidates past n, masked below, read clamped rows)
+                for j in T.unroll(2):
+                    row = T.max(T.min(row0 + gr + 8 * j, Tn - 1), 0)
+                    for e in T.vectorized(KP):
+                        fk_x[j * KP + e] = KRot[b, h, row, KP * tg + e]
+                    for e in T.vectorized(KP):
+                        fk_y[j * KP + e] = KRot[b, h, row, half + KP * tg + e]
+                for e in T.vectorized(KP):
+                    fc[e] = Cos[n - 1 - pi * r, KP * tg + e]
+                for e in T.vectorized(KP):
+                    fs[e] = Sin[n - 1 - pi * r, KP * tg + e]
+                # the query at the tile's relative position n - 1 - r pi
+                for rr in T.unroll(NH):
+                    for e in T.unroll(KP):
+                        lo_v, hi_v = _rope_pair(T.cast(qx[rr * KP + e], "float32"), T.cast(qy[rr * KP + e], "float32"),
+                                                fc[e], fs[e])
+                        qa[e // 2 * 8 + 2 * rr + e % 2] = T.cast(lo_v, dtype)
+                        qa[e // 2 * 8 + 4 + 2 * rr + e % 2] = T.cast(hi_v, dtype)
+                for j in T.unroll(2):
+                    for e in T.unroll(4):
+                        sc[j * 4 + e] = 0.0
+                    for ks in T.unroll(KS):
+                        for e in T.unroll(2):
+                            kb[e] = fk_x[j * KP + 2 * ks + e]
+                            kb[2 + e] = fk_y[j * KP + 2 * ks + e]
+                        _mma(qa, ks * 8, kb, 0, sc, j * 4, dtype)
+                # V after the scores: fewer registers, so 3 CTAs per SM without spills
+                for c in T.unroll(4):
+                    row = T.max(T.min(row0 + 2 * tg + c % 2 + 8 * (c // 2), Tn - 1), 0)
+                    for e in T.vectorized(VP):
+                        fv[c * VP + e] = Vt[b, row, h, VP * gr + e]
+                # sc[4 j + 2 rr + e]: head 8 rr + gr, candidate p0 + 8 j + 2 tg + e
+                for rr in T.unroll(NH):
+                    mx[rr] = m_w[rr]
+                    for j in T.unroll(2):
+                        for e in T.unroll(2):
+                            i = j * 4 + 2 * rr + e
+                            sc[i] = T.if_then_else(p0 + 8 * j + 2 * tg + e < n, sc[i] * q_scale, _NEG)
+                            mx[rr] = T.max(mx[rr], sc[i])
+                    mx[rr] = T.max(mx[rr], T.shfl_xor(mx[rr], 1))
+                    mx[rr] = T.max(mx[rr], T.shfl_xor(mx[rr], 2))
+                    al[rr] = T.exp2(m_w[rr] - mx[rr])
+                    m_w[rr] = mx[rr]
+                    l_w[rr] *= al[rr]
+                    for j in T.unroll(2):
+                        for e in T.unroll(2):
+                            i = j * 4 + 2 * rr + e
+                            sc[i] = T.if_then_else(sc[i] <= _NEG, 0.0, T.exp2(sc[i] - m_w[rr]))
+                            l_w[rr] += sc[i]
+                            pb[rr * 4 + 2 * j + e] = T.cast(sc[i], dtype)
+                # O^T's column 2 tg + e of head tile nh is head 8 nh + 2 tg + e, whose rescale lane 4 (2 tg + e) holds
+                for nh in T.unroll(NH):
+                    for e in T.unroll(2):
+                        mx[0] = T.shfl_sync(al[nh], 4 * (2 * tg + e))
+                        for mt in T.unroll(VM):
+                            for hi in T.unroll(2):
+                                o_acc[(mt * NH + nh) * 4 + 2 * hi + e] *= mx[0]
+                for mt in T.unroll(VM):
+                    for c2 in T.unroll(2):
+                        for hi in T.unroll(2):
+                            for e in T.unroll(2):
+                                va[4 * c2 + 2 * hi + e] = fv[(2 * c2 + e) * VP + 2 * mt + hi]
+                    for nh in T.unroll(NH):
+                        _mma(va, 0, pb, nh * 4, o_acc, (mt * NH + nh) * 4, dtype)
+
+            # the warps' states, combined in a fixed order
+            for rr in T.unroll(2):
+                l_w[rr] += T.shfl_xor(l_w[rr], 1)
+                l_w[rr] += T.shfl_xor(l_w[rr], 2)
+            if tg == 0:
+                for rr in T.unroll(2):
+                    red[w, gr + 8 * rr] = m_w[rr]
+            T.sync_threads()
+            for rr in T.unroll(2):
+                mx[rr] = T.max(T.max(red[0, gr + 8 * rr], red[1, gr + 8 * rr]),
+                               T.max(red[2, gr + 8 * rr], red[3, gr + 8 * rr]))
+                al[rr] = T.exp2(m_w[rr] - mx[rr])
+            T.sync_threads()  # every warp has read the maxima: red's rows take the sums, rescaled to the common one
+            if tg == 0:
+                for rr in T.unroll(2):
+                    red[w, gr + 8 * rr] = l_w[rr] * al[rr]
+                    if w == 0:
+                        red[4, gr + 8 * rr] = mx[rr]
+            for ww in T.serial(4):
+                if w == ww:
+                    for nh in T.unroll(NH):
+                        for e in T.unroll(2):
+                            mx[0] = T.shfl_sync(al[nh], 4 * (2 * tg + e))
+                            for mt in T.unroll(VM):
+                                for hi in T.unroll(2):
+                                    o_sh[8 * nh + 2 * tg + e, VP * gr + 2 * mt + hi] += \
+                                        o_acc[(mt * NH + nh) * 4 + 2 * hi + e] * mx[0]
+                T.sync_threads()
+            for g, d in T.Parallel(G, V):
+                PartO[b, ts, h * G + g, d] = o_sh[g, d]
+            for g in T.Parallel(G):
+                PartML[b, ts, h * G + g, 0] = red[4, g]
+                PartML[b, ts, h * G + g, 1] = (red[0, g] + red[1, g]) + (red[2, g] + red[3, g])
+
+    return htree_layer0_16bit
+
+
 def _split_tf32(x: torch.Tensor) -> torch.Tensor:
     """[2, *x.shape] fp32: x's TF32-exact high part and its remainder, as the bit patterns the kernels'
     TF32 operand stores write (CUTLASS's round_half_ulp_truncate adds half a TF32 ulp, 0x1000, to finite
@@ -1092,10 +1303,10 @@ class HTreeForwardTileLang:
     # spills), so K > 32 takes chunks of 32 and 3 CTAs per SM (H200, (b) T=32768: 434 vs 600 ms); at
     # K = 32 (fp32: ~32 registers, 72 KB of shared memory) chunks of 64 fit 3 CTAs per SM. chunk_rope
     # (16-bit only) measured 2-9% faster (H100, (b) T=32768 382 -> 349 ms, 131072 1816 -> 1781 ms).
-    # tiles0, min_blocks0: htree_layer0_kernel's (fp32 with K, V in {32, 64}): 8-candidate tiles per warp step and
-    # CTAs per SM, measured at (a) (2 and 4: 127 registers, no spills; docs/perf.md), not in the autotuned space
-    # (config_space tunes the walk, tunable_kernel)
-    DEFAULT_CONFIG = {"block_n": 32, "threads": 128, "min_blocks": 3, "chunk_rope": True, "tiles0": 2, "min_blocks0": 4}
+    # tiles0, min_blocks0: the layer-0 kernel's 8-candidate tiles per warp step (fp32 only) and CTAs per SM: fp32
+    # measured at (a) (2 and 4: 127 registers, no spills), 16-bit at (b) (3: 166 registers, no spills; 4 spills);
+    # docs/perf.md. Not in the autotuned space (config_space tunes the walk, tunable_kernel)
+    DEFAULT_CONFIG = {"block_n": 32, "threads": 128, "min_blocks": 3, "chunk_rope": True, "tiles0": 2, "min_blocks0": 3}
     SMALL_HEAD_CONFIG = {"block_n": 64, "threads": 128, "min_blocks": 3, "chunk_rope": True, "tiles0": 2,
                          "min_blocks0": 4}  # head_dim <= 32
     tunable_kernel = staticmethod(htree_fwd_kernel)
@@ -1151,11 +1362,18 @@ class HTreeForwardTileLang:
                                                                self.scale, _DTYPES[dtype], block_n=chunk["merge"]))
         walk = {k: v for k, v in self.config.items() if k not in ("tiles0", "min_blocks0")}
         self.kernel = compile_kernel(htree_fwd_kernel(**self.spec, **walk))
-        self.layer0 = None
-        if _split_layer0(_DTYPES[dtype], head_dim, v_head_dim, num_heads // num_kv_heads):
-            self.layer0 = compile_kernel(htree_layer0_kernel(
-                num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate, top_k_per_layer, max_top_nodes,
-                self.scale, tiles0=self.config["tiles0"], min_blocks=self.config["min_blocks0"]))
+        self.layer0 = self.rope0 = None
+        if _split_layer0(_DTYPES[dtype], head_dim, v_head_dim, num_heads // num_kv_heads, compression_rate):
+            shape = (num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate, top_k_per_layer, max_top_nodes,
+                     self.scale)
+            if dtype == torch.float32:
+                self.layer0 = compile_kernel(htree_layer0_kernel(*shape, tiles0=self.config["tiles0"],
+                                                                 min_blocks=self.config["min_blocks0"]))
+            else:  # the tokens pre-rotated at their child index
+                self.rope0 = compile_kernel(htree_rope_kernel(num_kv_heads, head_dim, _DTYPES[dtype],
+                                                              period=compression_rate))
+                self.layer0 = compile_kernel(htree_layer0_16bit_kernel(*shape, _DTYPES[dtype],
+                                                                       min_blocks=self.config["min_blocks0"]))
         self._tables = {}
 
     def _rope(self, device):
@@ -1236,6 +1454,11 @@ class HTreeForwardTileLang:
         def carve(buf, *shape):  # a contiguous view of the slab's part of a workspace
             return buf[:math.prod(shape)].view(shape)
 
+        k0 = k
+        if self.rope0 is not None:  # htree_layer0_16bit_kernel's K: rotated at t % r, [B, Hkv, T, K]
+            k0 = k.new_empty(B, Hkv, T, self.head_dim)
+            self.rope0(k, cos, sin, k0, 0)
+
         for t0 in range(0, T, slab):
             ts = min(slab, T - t0)
             nk = ((t0 + ts - 1) >> shift) + 1  # the slab's last query has the most top-layer candidates
@@ -1246,6 +1469,6 @@ class HTreeForwardTileLang:
             self.kernel(q, k, v, nodes_k, nodes_v, top, keys, cos, sin, layer_off, out, thr, part_o, part_ml, sel, par,
                         n0, L, int(write_sel), t0)
             if self.layer0 is not None:
-                self.layer0(q, k, v, cos, sin, par, n0, part_o, part_ml, t0)
+                self.layer0(q, k0, v, cos, sin, par, n0, part_o, part_ml, t0)
             self.top_merge(q, top_k, top_v, cos, sin, lse, keys, thr, part_o, part_ml, out, shift, t0, top_off)
         return (out, list(sel.unbind(0)) if write_sel else []) if return_selection else out
