@@ -23,8 +23,8 @@ chunk's math), rotates it at the candidates' buffer positions into shared memory
 heads with the tensor cores (M = G padded to 16). Layers l > 0 take three passes: (1) the per-head
 log-sum-exp (per-element partial max/sum in registers, reduced once per layer), (2) the packed
 importance keys (fp32 importance, low LOG_N bits = ~position) into shared memory, then (also for the top
-layer's keys) the top-k threshold by a bitwise binary search over the keys (they are distinct, so
-exactly top_k keys reach it) and an order-preserving compaction of the winners into the next layer's
+layer's keys) the top-k threshold, the top_k-th largest key, by a radix select over them (8 bits per pass;
+keys are distinct, so exactly top_k keys reach it) and an order-preserving compaction of the winners into the next layer's
 parents (candidate buffers are in ascending node order, so the parents stay sorted); (3) the non-winners
 merged into the per-head online softmax with V, against one reference per layer (lse bounds every
 score, so no per-chunk maximum). Layer 0 merges all with a running maximum. The walk's state (U, m, S
@@ -649,7 +649,8 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             parents = T.alloc_shared((top_k,), "int32")
             chosen = T.alloc_shared((top_k,), "int32")
             counts = T.alloc_shared((threads,), "int32")
-            total = T.alloc_shared((1,), "int32")
+            hist = T.alloc_shared((256,), "int32")  # the top-k's radix histogram and its pick (digit, rank)
+            pick = T.alloc_shared((2,), "int32")
 
             acc_s = T.alloc_fragment((GP, block_n), "float32")
             # one chunk's gathered K (the top layer's rotated rows, or pairs with their RoPE entries), V
@@ -672,6 +673,8 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             n_par = T.alloc_var("int32")  # parents expanded into this layer
             thr = T.alloc_var("int32")  # smallest winning key
             cnt = T.alloc_var("int32")
+            need = T.alloc_var("int32")
+            above = T.alloc_var("int32")
             w = T.alloc_var("int32")
             tx = T.get_thread_binding()
             t = t_start + ts
@@ -738,26 +741,44 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                             if p < n:
                                 keys[p] = _packed_key(prob_s, G, 0, j, p, n, pos_mask)
                 if l > 0:
-                    # top_k-th largest key: the largest thr with #(keys >= thr) >= top_k
+                    # thr = the top_k-th largest key (keys are distinct and non-negative): radix select, 8 bits
+                    # per pass from bit 30 down; need = its rank among the keys that match thr above the digit
                     if n > top_k:
-                        for bit in T.serial(31):
-                            trial = T.bitwise_or(thr, T.shift_left(1, 30 - bit))
-                            if tx == 0:
-                                total[0] = 0
+                        need = top_k
+                        for d in T.serial(4):
+                            hi = 31 - 8 * d
+                            lo = T.max(hi - 8, 0)
+                            for i in T.Parallel(256):
+                                hist[i] = 0
                             T.sync_threads()
-                            cnt = 0
                             for i in T.serial(T.ceildiv(n, threads)):
                                 p = i * threads + tx
                                 if p < n:
-                                    if keys[p] >= trial:
-                                        cnt += 1
-                            cnt = T.warp_reduce_sum(cnt)
-                            if tx % 32 == 0:
-                                T.atomic_add(total[0], cnt)
+                                    if T.shift_right(keys[p], hi) == T.shift_right(thr, hi):
+                                        # (atomicAdd itself: T.atomic_add makes ThreadSync put a barrier in every
+                                        # iteration; the increments commute)
+                                        T.call_extern("int32", "atomicAdd", T.address_of(
+                                            hist[T.bitwise_and(T.shift_right(keys[p], lo), 255)]), 1)
                             T.sync_threads()
-                            if total[0] >= top_k:
-                                thr = trial
+                            if tx < 32:  # warp 0 finds the digit: lane tx scans bins 8 tx .. 8 tx + 7
+                                cnt = 0
+                                for i in T.unroll(8):
+                                    cnt += hist[8 * tx + i]
+                                above = cnt  # -> keys in the bins of lanes >= tx
+                                for o in T.unroll(5):
+                                    nxt = T.shfl_down(above, T.shift_left(1, o))
+                                    above = above + T.if_then_else(tx + T.shift_left(1, o) < 32, nxt, 0)
+                                if above >= need and above - cnt < need:
+                                    above = above - cnt
+                                    for i in T.serial(8):
+                                        if above < need:
+                                            above = above + hist[8 * tx + 7 - i]
+                                            if above >= need:
+                                                pick[0] = 8 * tx + 7 - i
+                                                pick[1] = need - above + hist[8 * tx + 7 - i]
                             T.sync_threads()
+                            thr = T.bitwise_or(thr, T.shift_left(pick[0], lo))
+                            need = pick[1]
                     # order-preserving compaction of the winners (keys >= thr) into `chosen`
                     cnt = 0
                     for i in T.serial(seg):
