@@ -872,6 +872,49 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     return htree_fwd
 
 
+@T.macro
+def _layer0_state_in(PartML, m_w, l_w, b, ts, h, w, gr, tg, G: int):
+    """Rows gr and gr + 8 (heads) of the layers above, for a layer-0 kernel's warp: their maximum is every warp's
+    reference, their sum warp 0's (lane tg == 0; the others start empty)."""
+    for rr in T.unroll(2):
+        g = gr + 8 * rr
+        m_w[rr] = T.if_then_else(g < G, PartML[b, ts, h * G + T.min(g, G - 1), 0], 0.0)
+        l_w[rr] = T.if_then_else(w == 0 and tg == 0 and g < G, PartML[b, ts, h * G + T.min(g, G - 1), 1], 0.0)
+
+
+@T.macro
+def _layer0_warp_scales(m_w, l_w, mx, al, red, w, gr, tg):
+    """The four warps' softmax states on one reference: mx[rr] = row gr + 8 rr's maximum over the warps, al[rr] =
+    this warp's rescale to it; red[w] = the warps' rescaled sums, red[4] the maxima (summed in a fixed order by
+    _layer0_state_out)."""
+    for rr in T.unroll(2):
+        l_w[rr] += T.shfl_xor(l_w[rr], 1)
+        l_w[rr] += T.shfl_xor(l_w[rr], 2)
+    if tg == 0:
+        for rr in T.unroll(2):
+            red[w, gr + 8 * rr] = m_w[rr]
+    T.sync_threads()
+    for rr in T.unroll(2):
+        mx[rr] = T.max(T.max(red[0, gr + 8 * rr], red[1, gr + 8 * rr]), T.max(red[2, gr + 8 * rr], red[3, gr + 8 * rr]))
+        al[rr] = T.exp2(m_w[rr] - mx[rr])
+    T.sync_threads()  # every warp has read the maxima: red's rows take the sums, rescaled to the common one
+    if tg == 0:
+        for rr in T.unroll(2):
+            red[w, gr + 8 * rr] = l_w[rr] * al[rr]
+            if w == 0:
+                red[4, gr + 8 * rr] = mx[rr]
+
+
+@T.macro
+def _layer0_state_out(o_sh, red, PartO, PartML, b, ts, h, G: int):
+    """The combined state (o_sh: the warps' rescaled U, red: _layer0_warp_scales') back to PartO / PartML."""
+    for g, d in T.Parallel(G, o_sh.shape[1]):
+        PartO[b, ts, h * G + g, d] = o_sh[g, d]
+    for g in T.Parallel(G):
+        PartML[b, ts, h * G + g, 0] = red[4, g]
+        PartML[b, ts, h * G + g, 1] = (red[0, g] + red[1, g]) + (red[2, g] + red[3, g])
+
+
 def htree_layer0_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, compression_rate: int,
                         top_k: int, max_top_nodes: int, scale: float, tiles0: int = 2, min_blocks: int = 4):
     """fp32 layer 0 (merge everything, running maximum) of the rows of one slab (K, V in {32, 64}, G <= 16),
@@ -973,11 +1016,7 @@ def htree_layer0_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head
                     o_acc[vt * 4 + e] = T.if_then_else(
                         w == 0, T.if_then_else(g < G, PartO[b, ts, h * G + T.min(g, G - 1), VE * (2 * tg + e % 2) + vt],
                                                0.0), 0.0)
-            for rr in T.unroll(2):
-                g = gr + 8 * rr
-                m_w[rr] = T.if_then_else(g < G, PartML[b, ts, h * G + T.min(g, G - 1), 0], 0.0)
-                l_w[rr] = T.if_then_else(w == 0, T.if_then_else(tg == 0, T.if_then_else(
-                    g < G, PartML[b, ts, h * G + T.min(g, G - 1), 1], 0.0), 0.0), 0.0)
+            _layer0_state_in(PartML, m_w, l_w, b, ts, h, w, gr, tg, G)
 
             for it in T.serial(T.ceildiv(T.max(T.ceildiv(n, CH) - w, 0), 4)):
                 c0 = (w + 4 * it) * CH
@@ -1057,23 +1096,7 @@ def htree_layer0_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head
 
 
             # the warps' states, combined in a fixed order
-            for rr in T.unroll(2):
-                l_w[rr] += T.shfl_xor(l_w[rr], 1)
-                l_w[rr] += T.shfl_xor(l_w[rr], 2)
-            if tg == 0:
-                for rr in T.unroll(2):
-                    red[w, gr + 8 * rr] = m_w[rr]
-            T.sync_threads()
-            for rr in T.unroll(2):
-                mx[rr] = T.max(T.max(red[0, gr + 8 * rr], red[1, gr + 8 * rr]),
-                               T.max(red[2, gr + 8 * rr], red[3, gr + 8 * rr]))
-                al[rr] = T.exp2(m_w[rr] - mx[rr])
-            T.sync_threads()  # every warp has read the maxima: red's rows take the sums, rescaled to the common one
-            if tg == 0:
-                for rr in T.unroll(2):
-                    red[w, gr + 8 * rr] = l_w[rr] * al[rr]
-                    if w == 0:
-                        red[4, gr + 8 * rr] = mx[rr]
+            _layer0_warp_scales(m_w, l_w, mx, al, red, w, gr, tg)
             for ww in T.serial(4):
                 if w == ww:
                     for vt in T.unroll(VE):
@@ -1082,11 +1105,7 @@ def htree_layer0_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head
                             col = VE * (2 * tg + e % 2) + vt
                             o_sh[row, col] += o_acc[vt * 4 + e] * al[e // 2]
                 T.sync_threads()
-            for g, d in T.Parallel(G, V):
-                PartO[b, ts, h * G + g, d] = o_sh[g, d]
-            for g in T.Parallel(G):
-                PartML[b, ts, h * G + g, 0] = red[4, g]
-                PartML[b, ts, h * G + g, 1] = (red[0, g] + red[1, g]) + (red[2, g] + red[3, g])
+            _layer0_state_out(o_sh, red, PartO, PartML, b, ts, h, G)
 
     return htree_layer0
 
@@ -1183,10 +1202,7 @@ def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                         g = 8 * nh + 2 * tg + e % 2
                         o_acc[(mt * NH + nh) * 4 + e] = T.if_then_else(
                             w == 0 and g < G, PartO[b, ts, h * G + T.min(g, G - 1), VP * gr + 2 * mt + e // 2], 0.0)
-            for rr in T.unroll(2):
-                g = gr + 8 * rr
-                m_w[rr] = T.if_then_else(g < G, PartML[b, ts, h * G + T.min(g, G - 1), 0], 0.0)
-                l_w[rr] = T.if_then_else(w == 0 and tg == 0 and g < G, PartML[b, ts, h * G + T.min(g, G - 1), 1], 0.0)
+            _layer0_state_in(PartML, m_w, l_w, b, ts, h, w, gr, tg, G)
             T.sync_threads()
 
             for it in T.serial(T.ceildiv(T.max(T.ceildiv(n, 16) - w, 0), 4)):
@@ -1259,23 +1275,7 @@ def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                         _mma(va, 0, pb, nh * 4, o_acc, (mt * NH + nh) * 4, dtype)
 
             # the warps' states, combined in a fixed order
-            for rr in T.unroll(2):
-                l_w[rr] += T.shfl_xor(l_w[rr], 1)
-                l_w[rr] += T.shfl_xor(l_w[rr], 2)
-            if tg == 0:
-                for rr in T.unroll(2):
-                    red[w, gr + 8 * rr] = m_w[rr]
-            T.sync_threads()
-            for rr in T.unroll(2):
-                mx[rr] = T.max(T.max(red[0, gr + 8 * rr], red[1, gr + 8 * rr]),
-                               T.max(red[2, gr + 8 * rr], red[3, gr + 8 * rr]))
-                al[rr] = T.exp2(m_w[rr] - mx[rr])
-            T.sync_threads()  # every warp has read the maxima: red's rows take the sums, rescaled to the common one
-            if tg == 0:
-                for rr in T.unroll(2):
-                    red[w, gr + 8 * rr] = l_w[rr] * al[rr]
-                    if w == 0:
-                        red[4, gr + 8 * rr] = mx[rr]
+            _layer0_warp_scales(m_w, l_w, mx, al, red, w, gr, tg)
             for ww in T.serial(4):
                 if w == ww:
                     for nh in T.unroll(NH):
@@ -1286,11 +1286,7 @@ def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                                     o_sh[8 * nh + 2 * tg + e, VP * gr + 2 * mt + hi] += \
                                         o_acc[(mt * NH + nh) * 4 + 2 * hi + e] * mx[0]
                 T.sync_threads()
-            for g, d in T.Parallel(G, V):
-                PartO[b, ts, h * G + g, d] = o_sh[g, d]
-            for g in T.Parallel(G):
-                PartML[b, ts, h * G + g, 0] = red[4, g]
-                PartML[b, ts, h * G + g, 1] = (red[0, g] + red[1, g]) + (red[2, g] + red[3, g])
+            _layer0_state_out(o_sh, red, PartO, PartML, b, ts, h, G)
 
     return htree_layer0_16bit
 
