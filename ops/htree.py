@@ -13,9 +13,12 @@ Kernels:
     the chunks land as the products' operand tiles);
   - ``htree_fwd_kernel`` walks the rest of one (b, t, kv head) row in one CTA: the top layer's top-k from
     its keys, then every lower layer, fused, so the selected parents of a layer live in shared memory;
-  - ``htree_layer0_kernel`` (fp32 with K, V in {32, 64}): layer 0 of the walk's rows, from the parents the
-    walk hands over. Without the walk's shared tiles and selection state it runs 4 CTAs per SM instead of 3,
-    at 127 registers without spills.
+  - ``htree_layer0_kernel`` (fp32 with K, V in {32, 64}) and ``htree_layer0_16bit_kernel`` (fp16 / bf16 with
+    r >= 16): layer 0 of the walk's rows, from the parents the walk hands over. Without the walk's shared tiles
+    and selection state they run more CTAs per SM, and their operands go from the gathers straight into
+    mma.sync register fragments; the 16-bit one reads the tokens' K pre-rotated at their child index t % r
+    (``htree_rope_kernel`` with a period) and rotates the query once per 16-candidate tile instead of loading
+    RoPE table rows per candidate. Other cases merge layer 0 in the walk.
 
 Below the top the walk streams each layer's candidates in chunks of ``block_n``: gathers their K into
 registers (all of a chunk's loads in flight at once, issued one chunk ahead so they overlap the previous
@@ -23,20 +26,21 @@ chunk's math), rotates it at the candidates' buffer positions into shared memory
 heads with the tensor cores (M = G padded to 16). Layers l > 0 take three passes: (1) the per-head
 log-sum-exp (per-element partial max/sum in registers, reduced once per layer), (2) the packed
 importance keys (fp32 importance, low LOG_N bits = ~position) into shared memory, then (also for the top
-layer's keys) the top-k threshold, the top_k-th largest key, by a radix select over them (8 bits per pass;
-keys are distinct, so exactly top_k keys reach it) and an order-preserving compaction of the winners into the next layer's
-parents (candidate buffers are in ascending node order, so the parents stay sorted); (3) the non-winners
+layer's keys) the top-k threshold, the top_k-th largest key, by a radix select over them (8 bits per
+pass; keys are distinct, so exactly top_k keys reach it) and an order-preserving compaction of the winners
+into the next layer's parents (candidate buffers are in ascending node order, so the parents stay sorted);
+(3) the non-winners
 merged into the per-head online softmax with V, against one reference per layer (lse bounds every
 score, so no per-chunk maximum). Layer 0 merges all with a running maximum. The walk's state (U, m, S
 per head) goes to the top-merge kernel, which adds the top layer's non-winners (against their lse) and
 normalizes. The walk's shared-memory chunks are bound by L1 traffic (gathers, operand stores and mma operand
-loads); the fp32 layer 0 from registers by the latency of its gathers and mma chains; see docs/perf.md.
+loads); the layer-0 kernels by their gathers (latency in fp32, L2 bandwidth in 16-bit); see docs/perf.md.
 
 fp32 inputs use split-TF32 products (hi*hi + hi*lo + lo*hi), close to fp32 accuracy so selections match
 an fp32 reference; fp16/bf16 inputs use one 16-bit product with fp32 accumulation. The top-layer kernels'
-64-row tiles run them as warpgroup (wgmma) products; the walk's 16-row tiles as mma.sync. The fp32 layer 0
-(``htree_layer0_kernel``) gathers its operands straight into the mma.sync register fragments, each warp
-merging its own share of the candidates, with no shared memory in between.
+64-row tiles run them as warpgroup (wgmma) products; the walk's 16-row tiles as mma.sync. The layer-0 kernels
+gather their operands straight into the mma.sync register fragments, each warp merging its own share of the
+candidates, with no shared memory in between.
 
 Memory: the tree above layer 0, sum_{l>=1} N_l ~ T / (r - 1) nodes of K and V per (batch, kv head) in
 the input dtype, the rotated top layer (<= max_top_nodes rows of K per (batch, kv head); fp32 also its K
@@ -44,8 +48,9 @@ and V in TF32 halves, 2 (K + V) x 4 bytes per node), RoPE tables of
 max(max_top_nodes, top_k * r) x K/2 fp32 pairs and the top layer's lse [B, T, H] fp32. The queries go
 through the top-layer kernels and the walk in slabs, sized so that a slab's packed keys
 [B, slab, Hkv, N_top] int32 take at most 256 MiB; per slab also the walk's state [B, slab, H, V + 2]
-fp32, and for the fp32 layer 0 kernel the layer-0 parents [B, slab, Hkv, top_k] int32. Nothing else scales
-with T x candidates; the output and, on request, the selections
+fp32, and for the layer-0 kernels the layer-0 parents [B, slab, Hkv, top_k] int32; the 16-bit layer-0 kernel
+also takes a rotated copy of k ([B, Hkv, T, K], k's size). Nothing else scales with T x candidates; the
+output and, on request, the selections
 [L-1, B, T, Hkv, top_k] int32.
 """
 
