@@ -1127,18 +1127,27 @@ def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
     child index (KRot, ``htree_rope_kernel`` with period r) and the query is rotated once per tile.
     The operands go from the gathers straight into m16n8k16 mma.sync fragments (lane (gr, tg) = (lane / 4,
     lane % 4)); dot products do not care about the order of the dimensions they sum, which is permuted so that
-    every lane loads contiguous runs:
-      - scores S = Q K^T (M = 16 heads, two 8-candidate tiles): k-step ks's columns (2 tg, 2 tg + 1) are the
-        dims (KP tg + 2 ks, + 1) and columns (2 tg + 8, + 9) the same dims + K/2, so a lane holds whole RoPE
-        pairs of the query and two runs of K/8 dims of its candidates gr and gr + 8;
+    every lane loads whole 16-byte pieces, side by side with its neighbours' (the kernel is bound by the L1
+    wavefronts of its gathers, one per 128-byte line that an instruction touches):
+      - scores S = Q K^T (M = 16 heads, two 8-candidate tiles): k-step ks's columns (2 tg, 2 tg + 1) are lane
+        tg's pairs kdim(tg, 2 ks), kdim(tg, 2 ks + 1) and columns (2 tg + 8, + 9) the same dims + K/2, so a lane holds
+        whole RoPE pairs of the query and K/8 dims of each half of its candidates gr and gr + 8;
       - O^T += V^T P^T (M = 16 V dims, N = 8 heads, K = the 16 candidates): the score accumulators are P^T's
-        B fragments as they are (no transpose); V dim VP gr + 2 mt (+ 1) is row gr (gr + 8) of m-tile mt, so a
-        lane loads one run of V/8 dims of each of its candidates 2 tg, 2 tg + 1, 2 tg + 8, 2 tg + 9."""
+        B fragments as they are (no transpose); rows gr and gr + 8 of m-tile mt are lane gr's V dims
+        vdim(gr, 2 mt), vdim(gr, 2 mt + 1), so a lane loads V/8 dims of each of its candidates 2 tg, 2 tg + 1, 2 tg + 8,
+        2 tg + 9."""
     H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
     G = H // Hkv
     NH = 1 if G <= 8 else 2  # heads in tiles of 8: score rows gr (and gr + 8), O^T's N tiles
     half = K // 2
     KP, VP = K // 8, V // 8  # per lane: RoPE pairs of the query, V dims of a candidate
+    KC, VC = min(8, KP), min(8, VP)  # of them per 16-byte load
+
+    def kdim(tg, i):  # lane tg's i-th pair (i, i + K/2): the four tg lanes' 16-byte loads lie side by side
+        return KC * tg + 4 * KC * (i // KC) + i % KC
+
+    def vdim(gr, i):  # lane gr's i-th V dim: the eight gr lanes' 16-byte loads cover 128 contiguous bytes
+        return VC * gr + 8 * VC * (i // VC) + i % VC
     KS, VM = K // 16, V // 16  # the scores' k-steps, O^T's m-tiles
     nbuf = 1 << pack_bits(r, top_k, max_top_nodes)
     q_scale = scale * _LOG2E
@@ -1194,9 +1203,9 @@ def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
             for rr in T.unroll(NH):
                 g = gr + 8 * rr
                 for e in T.unroll(KP):
-                    qx[rr * KP + e] = T.if_then_else(g < G, Q[b, t, h * G + T.min(g, G - 1), KP * tg + e],
+                    qx[rr * KP + e] = T.if_then_else(g < G, Q[b, t, h * G + T.min(g, G - 1), kdim(tg, e)],
                                                      T.cast(0.0, dtype))
-                    qy[rr * KP + e] = T.if_then_else(g < G, Q[b, t, h * G + T.min(g, G - 1), half + KP * tg + e],
+                    qy[rr * KP + e] = T.if_then_else(g < G, Q[b, t, h * G + T.min(g, G - 1), half + kdim(tg, e)],
                                                      T.cast(0.0, dtype))
             for i in T.unroll(KS * 8):  # rows gr + 8 stay zero with G <= 8
                 qa[i] = T.cast(0.0, dtype)
@@ -1206,7 +1215,7 @@ def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                     for e in T.unroll(4):
                         g = 8 * nh + 2 * tg + e % 2
                         o_acc[(mt * NH + nh) * 4 + e] = T.if_then_else(
-                            w == 0 and g < G, PartO[b, ts, h * G + T.min(g, G - 1), VP * gr + 2 * mt + e // 2], 0.0)
+                            w == 0 and g < G, PartO[b, ts, h * G + T.min(g, G - 1), vdim(gr, 2 * mt + e // 2)], 0.0)
             _layer0_state_in(PartML, m_w, l_w, b, ts, h, w, gr, tg, G)
             T.sync_threads()
 
@@ -1217,14 +1226,16 @@ def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                 # K and the angle's table rows in flight at once (candidates past n, masked below, read clamped rows)
                 for j in T.unroll(2):
                     row = T.max(T.min(row0 + gr + 8 * j, Tn - 1), 0)
-                    for e in T.vectorized(KP):
-                        fk_x[j * KP + e] = KRot[b, h, row, KP * tg + e]
-                    for e in T.vectorized(KP):
-                        fk_y[j * KP + e] = KRot[b, h, row, half + KP * tg + e]
-                for e in T.vectorized(KP):
-                    fc[e] = Cos[n - 1 - pi * r, KP * tg + e]
-                for e in T.vectorized(KP):
-                    fs[e] = Sin[n - 1 - pi * r, KP * tg + e]
+                    for c in T.unroll(KP // KC):
+                        for e in T.vectorized(KC):
+                            fk_x[j * KP + c * KC + e] = KRot[b, h, row, KC * tg + 4 * KC * c + e]
+                        for e in T.vectorized(KC):
+                            fk_y[j * KP + c * KC + e] = KRot[b, h, row, half + KC * tg + 4 * KC * c + e]
+                for c in T.unroll(KP // KC):
+                    for e in T.vectorized(KC):
+                        fc[c * KC + e] = Cos[n - 1 - pi * r, KC * tg + 4 * KC * c + e]
+                    for e in T.vectorized(KC):
+                        fs[c * KC + e] = Sin[n - 1 - pi * r, KC * tg + 4 * KC * c + e]
                 # the query at the tile's relative position n - 1 - r pi
                 for rr in T.unroll(NH):
                     for e in T.unroll(KP):
@@ -1243,8 +1254,9 @@ def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                 # V after the scores: fewer registers, so 3 CTAs per SM without spills
                 for c in T.unroll(4):
                     row = T.max(T.min(row0 + 2 * tg + c % 2 + 8 * (c // 2), Tn - 1), 0)
-                    for e in T.vectorized(VP):
-                        fv[c * VP + e] = Vt[b, row, h, VP * gr + e]
+                    for vc in T.unroll(VP // VC):
+                        for e in T.vectorized(VC):
+                            fv[c * VP + vc * VC + e] = Vt[b, row, h, VC * gr + 8 * VC * vc + e]
                 # sc[4 j + 2 rr + e]: head 8 rr + gr, candidate p0 + 8 j + 2 tg + e
                 for rr in T.unroll(NH):
                     mx[rr] = m_w[rr]
@@ -1288,7 +1300,7 @@ def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                             mx[0] = T.shfl_sync(al[nh], 4 * (2 * tg + e))
                             for mt in T.unroll(VM):
                                 for hi in T.unroll(2):
-                                    o_sh[8 * nh + 2 * tg + e, VP * gr + 2 * mt + hi] += \
+                                    o_sh[8 * nh + 2 * tg + e, vdim(gr, 2 * mt + hi)] += \
                                         o_acc[(mt * NH + nh) * 4 + 2 * hi + e] * mx[0]
                 T.sync_threads()
             _layer0_state_out(o_sh, red, PartO, PartML, b, ts, h, G)
