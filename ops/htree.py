@@ -13,12 +13,14 @@ Kernels:
     the chunks land as the products' operand tiles);
   - ``htree_fwd_kernel`` walks the rest of one (b, t, kv head) row in one CTA: the top layer's top-k from
     its keys, then every lower layer, fused, so the selected parents of a layer live in shared memory;
-  - ``htree_layer0_kernel`` (fp32 with K, V in {32, 64}) and ``htree_layer0_16bit_kernel`` (fp16 / bf16 with
-    r >= 16): layer 0 of the walk's rows, from the parents the walk hands over. Without the walk's shared tiles
-    and selection state they run more CTAs per SM, and their operands go from the gathers straight into
-    mma.sync register fragments; the 16-bit one reads the tokens' K pre-rotated at their child index t % r
-    (``htree_rope_kernel`` with a period) and rotates the query once per 16-candidate tile instead of loading
-    RoPE table rows per candidate. Other cases merge layer 0 in the walk.
+  - ``htree_layer0_kernel`` (fp32 with K, V in {32, 64}): layer 0 of the walk's rows, from the parents the walk
+    hands over; ``htree_layer16_kernel`` (fp16 / bf16 with r >= 16): the same for layer 0 and, one launch per
+    layer, every middle layer 0 < l < L - 1 (the walk then stops after the top layer's selection). Without the
+    walk's shared tiles they run more CTAs per SM, and their operands go from the gathers straight into
+    mma.sync register fragments; the 16-bit one reads K pre-rotated at the child index, node % r
+    (``htree_rope_kernel`` with a period), rotates the query once per 16-candidate tile instead of loading
+    RoPE table rows per candidate, and keeps a middle layer's scores in a per-slab scratch between its
+    passes, so each candidate's K and V are gathered once. Other cases stay in the walk.
 
 Below the top the walk streams each layer's candidates in chunks of ``block_n``: gathers their K into
 registers (all of a chunk's loads in flight at once, issued one chunk ahead so they overlap the previous
@@ -34,11 +36,11 @@ merged into the per-head online softmax with V, against one reference per layer 
 score, so no per-chunk maximum). Layer 0 merges all with a running maximum. The walk's state (U, m, S
 per head) goes to the top-merge kernel, which adds the top layer's non-winners (against their lse) and
 normalizes. The walk's shared-memory chunks are bound by L1 traffic (gathers, operand stores and mma operand
-loads); the layer-0 kernels by their gathers (latency in fp32, L2 bandwidth in 16-bit); see docs/perf.md.
+loads); the layer kernels by their gathers (latency in fp32, L1 wavefronts in 16-bit); see docs/perf.md.
 
 fp32 inputs use split-TF32 products (hi*hi + hi*lo + lo*hi), close to fp32 accuracy so selections match
 an fp32 reference; fp16/bf16 inputs use one 16-bit product with fp32 accumulation. The top-layer kernels'
-64-row tiles run them as warpgroup (wgmma) products; the walk's 16-row tiles as mma.sync. The layer-0 kernels
+64-row tiles run them as warpgroup (wgmma) products; the walk's 16-row tiles as mma.sync. The layer kernels
 gather their operands straight into the mma.sync register fragments, each warp merging its own share of the
 candidates, with no shared memory in between.
 
@@ -48,10 +50,11 @@ and V in TF32 halves, 2 (K + V) x 4 bytes per node), RoPE tables of
 max(max_top_nodes, top_k * r) x K/2 fp32 pairs and the top layer's lse [B, T, H] fp32. The queries go
 through the top-layer kernels and the walk in slabs, sized so that a slab's packed keys
 [B, slab, Hkv, N_top] int32 take at most 256 MiB; per slab also the walk's state [B, slab, H, V + 2]
-fp32, and for the layer-0 kernels the layer-0 parents [B, slab, Hkv, top_k] int32; the 16-bit layer-0 kernel
-also takes a rotated copy of k ([B, Hkv, T, K], k's size). Nothing else scales with T x candidates; the
-output and, on request, the selections
-[L-1, B, T, Hkv, top_k] int32.
+fp32, and for the layer kernels the parents [B, slab, Hkv, top_k] int32; the 16-bit layer kernel also takes
+rotated copies of k ([B, Hkv, T, K], k's size) and of the middle layers' K nodes, and with L > 2 a scratch of
+scores [B, slab, Hkv, G, max(max_top_nodes, top_k * r)] fp32, at most 1 GiB (the slab shrinks to fit).
+Nothing else scales with T x candidates; the output and, on request, the selections [L-1, B, T, Hkv, top_k]
+int32.
 """
 
 import math
@@ -129,7 +132,7 @@ def _mma(a, ai, b, bi, c, ci, dtype: str = "float32"):
 
 def _split_layer0(dtype: str, K: int, V: int, G: int, r: int) -> bool:
     """Whether layer 0 runs in its own kernel: htree_layer0_kernel (fp32, K and V in {32, 64}, G <= 16) or
-    htree_layer0_16bit_kernel (16-bit, r >= 16: a 16-candidate tile never spans two parents)."""
+    htree_layer16_kernel (16-bit, r >= 16: a 16-candidate tile never spans two parents; the middle layers too)."""
     if dtype == "float32":
         return K in (32, 64) and V in (32, 64) and G <= 16
     return r >= 16
@@ -209,11 +212,87 @@ def _packed_key(prob, num_heads: int, row, j, p, n, pos_mask: int):
     return T.bitwise_or(T.bitwise_and(bits, ~pos_mask), T.bitwise_and(T.bitwise_not(p), pos_mask))
 
 
+@T.macro
+def _select_top_k(keys, n, top_k: int, hist, pick, tmp, tx, threads: int):
+    """pick[0] = the top_k-th largest of keys[0:n] (distinct and non-negative), 0 when n <= top_k: radix select,
+    8 bits per pass from bit 30 down, on a shared histogram of the keys that match pick[0] above the digit, with
+    pick[1] the wanted key's rank among those (tmp: four int32 per thread)."""
+    if tx == 0:
+        pick[0] = 0
+        pick[1] = top_k
+    T.sync_threads()
+    if n > top_k:
+        for d in T.serial(4):
+            hi = 31 - 8 * d
+            lo = T.max(hi - 8, 0)
+            for i in T.Parallel(256):
+                hist[i] = 0
+            tmp[3] = T.shift_right(pick[0], hi)  # the threshold's bits found so far
+            T.sync_threads()
+            for i in T.serial(T.ceildiv(n, threads)):
+                p = i * threads + tx
+                if p < n:
+                    if T.shift_right(keys[p], hi) == tmp[3]:
+                        # (atomicAdd itself: T.atomic_add makes ThreadSync put a barrier in every iteration; the
+                        # increments commute)
+                        T.call_extern("int32", "atomicAdd", T.address_of(
+                            hist[T.bitwise_and(T.shift_right(keys[p], lo), 255)]), 1)
+            T.sync_threads()
+            if tx < 32:  # warp 0 finds the digit: lane tx scans bins 8 tx .. 8 tx + 7
+                tmp[2] = pick[1]
+                tmp[0] = 0
+                for i in T.unroll(8):
+                    tmp[0] += hist[8 * tx + i]
+                tmp[1] = tmp[0]  # -> keys in the bins of lanes >= tx
+                for o in T.unroll(5):
+                    nxt = T.shfl_down(tmp[1], T.shift_left(1, o))
+                    tmp[1] = tmp[1] + T.if_then_else(tx + T.shift_left(1, o) < 32, nxt, 0)
+                if tmp[1] >= tmp[2] and tmp[1] - tmp[0] < tmp[2]:
+                    tmp[1] = tmp[1] - tmp[0]
+                    for i in T.serial(8):
+                        if tmp[1] < tmp[2]:
+                            tmp[1] = tmp[1] + hist[8 * tx + 7 - i]
+                            if tmp[1] >= tmp[2]:
+                                pick[1] = tmp[2] - tmp[1] + hist[8 * tx + 7 - i]
+                                pick[0] = T.bitwise_or(pick[0], T.shift_left(8 * tx + 7 - i, lo))
+            T.sync_threads()
+
+
+@T.macro
+def _compact_winners(keys, n, thr, parents, n_par, chosen, counts, tx, threads: int, r: int, top_k: int):
+    """chosen = the winners (keys[p] >= thr, p < n) in candidate order, -1 padded to top_k, as nodes: candidate p is
+    node p of the top layer (n_par == 0), else child p % r of parent p / r."""
+    seg = -(-int(keys.shape[0]) // threads)  # keys per thread
+    pos = T.alloc_var("int32")  # (a var, not a buffer element: ThreadSync would fence every store at it)
+    pos = 0
+    for i in T.serial(seg):
+        p = tx * seg + i
+        if p < n:
+            if keys[p] >= thr:
+                pos += 1
+    counts[tx] = pos
+    T.sync_threads()
+    pos = 0
+    for i in T.serial(threads):
+        if i < tx:
+            pos += counts[i]
+    for i in T.serial(seg):
+        p = tx * seg + i
+        if p < n:
+            if keys[p] >= thr:
+                chosen[pos] = T.if_then_else(n_par == 0, p, parents[p >> int(math.log2(r))] * r + T.bitwise_and(p, r - 1))
+                pos += 1
+    T.sync_threads()
+    for i in T.Parallel(top_k):
+        if i >= T.min(n, top_k):
+            chosen[i] = -1
+
+
 def htree_rope_kernel(num_kv_heads: int, head_dim: int, dtype: str, period: int = 0, block_i: int = 32,
                       threads: int = 128):
     """Dst[b, h, i] = Src[b, src_off + i, h] rotated at position i (i % period with a period): the top layer's
     candidates are the same nodes at the same buffer positions for every query, so they are rotated once,
-    not per query; the tokens are rotated at their child index t % r for htree_layer0_16bit_kernel."""
+    not per query; the nodes below the top are rotated at their child index for htree_layer16_kernel."""
     H, K = num_kv_heads, head_dim
     half = K // 2
     B, NS, NT, NC = T.dynamic("B"), T.dynamic("NS"), T.dynamic("NT"), T.dynamic("NC")
@@ -501,7 +580,10 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     nbuf = 1 << log_n  # every candidate buffer position is below this
     pos_mask = nbuf - 1
     split = dtype == "float32"  # split-TF32 products
-    split0 = _split_layer0(dtype, K, V, G, r)  # layer 0 left to a layer-0 kernel
+    # Layers l_lo and below left to the layer kernels: the walk hands over layer l_lo's parents and candidate count
+    # (l_lo = 0: layer 0 to htree_layer0_kernel / htree_layer16_kernel; 16-bit with r >= 16: l_lo = L - 2, the
+    # middle layers to htree_layer16_kernel too)
+    split0 = _split_layer0(dtype, K, V, G, r)
     # chunk_rope (16-bit inputs): below the top, candidate p = c0 + j is rotated at j (table entries fixed
     # per thread, loaded once) and the query at n - 1 - c0 once per chunk, instead of loading the table
     # rows of every p. Exact in real arithmetic, but the composed angles round differently from the
@@ -509,7 +591,6 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
     chunk_rope = chunk_rope and not split
     cdt = dtype
     q_scale = scale * _LOG2E  # scores in the log2 domain
-    seg = -(-nbuf // threads)  # keys per thread in the compaction
     B, Tn, NN, NT = T.dynamic("B"), T.dynamic("T"), T.dynamic("NN"), T.dynamic("NT")
     SL, SB, ST = T.dynamic("SL"), T.dynamic("SB"), T.dynamic("ST")
     # the slab's rows TS come from Thr; the L == 1 call passes one-row placeholders for the others
@@ -631,6 +712,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
         num_layers: T.int32,
         write_sel: T.int32,
         t_start: T.int32,
+        l_lo: T.int32,
     ):
         # rows t_start + (0 .. TS) (one slab of queries when the top layer is done by the top kernels)
         with T.Kernel(TS, Hkv, B, threads=threads) as (ts, h, b):
@@ -654,7 +736,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             parents = T.alloc_shared((top_k,), "int32")
             chosen = T.alloc_shared((top_k,), "int32")
             counts = T.alloc_shared((threads,), "int32")
-            hist = T.alloc_shared((256,), "int32")  # the top-k's radix histogram and its pick (digit, rank)
+            hist = T.alloc_shared((256,), "int32")  # the top-k's radix histogram and its pick (threshold, rank)
             pick = T.alloc_shared((2,), "int32")
 
             acc_s = T.alloc_fragment((GP, block_n), "float32")
@@ -677,10 +759,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
             n = T.alloc_var("int32")  # candidates of this layer
             n_par = T.alloc_var("int32")  # parents expanded into this layer
             thr = T.alloc_var("int32")  # smallest winning key
-            cnt = T.alloc_var("int32")
-            need = T.alloc_var("int32")
-            above = T.alloc_var("int32")
-            w = T.alloc_var("int32")
+            tmp = T.alloc_local((4,), "int32")  # the top-k's per-thread scratch
             tx = T.get_thread_binding()
             t = t_start + ts
 
@@ -695,7 +774,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                     kc[j, i] = Cos[T.min(j, nbuf - 1), i]
                     ks[j, i] = Sin[T.min(j, nbuf - 1), i]
 
-            for li in T.serial(num_layers):
+            for li in T.serial(num_layers - l_lo):  # down to l_lo (see split0)
                 l = num_layers - 1 - li
                 T.sync_threads()  # the previous layer's readers of q_s / parents are done
                 last = t >> (l * log_r)  # node holding t
@@ -714,7 +793,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                         if i * threads + tx < n:
                             keys[i * threads + tx] = TopKeys[b, ts, h, i * threads + tx]
                     T.sync_threads()
-                elif l > 0:
+                elif l > l_lo:
                     # (1) per-head log-sum-exp over all candidates
                     T.fill(m_part, _NEG)
                     T.fill(l_part, 0.0)
@@ -745,70 +824,10 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                             p = c * block_n + j
                             if p < n:
                                 keys[p] = _packed_key(prob_s, G, 0, j, p, n, pos_mask)
-                if l > 0:
-                    # thr = the top_k-th largest key (keys are distinct and non-negative): radix select, 8 bits
-                    # per pass from bit 30 down; need = its rank among the keys that match thr above the digit
-                    if n > top_k:
-                        need = top_k
-                        for d in T.serial(4):
-                            hi = 31 - 8 * d
-                            lo = T.max(hi - 8, 0)
-                            for i in T.Parallel(256):
-                                hist[i] = 0
-                            T.sync_threads()
-                            for i in T.serial(T.ceildiv(n, threads)):
-                                p = i * threads + tx
-                                if p < n:
-                                    if T.shift_right(keys[p], hi) == T.shift_right(thr, hi):
-                                        # (atomicAdd itself: T.atomic_add makes ThreadSync put a barrier in every
-                                        # iteration; the increments commute)
-                                        T.call_extern("int32", "atomicAdd", T.address_of(
-                                            hist[T.bitwise_and(T.shift_right(keys[p], lo), 255)]), 1)
-                            T.sync_threads()
-                            if tx < 32:  # warp 0 finds the digit: lane tx scans bins 8 tx .. 8 tx + 7
-                                cnt = 0
-                                for i in T.unroll(8):
-                                    cnt += hist[8 * tx + i]
-                                above = cnt  # -> keys in the bins of lanes >= tx
-                                for o in T.unroll(5):
-                                    nxt = T.shfl_down(above, T.shift_left(1, o))
-                                    above = above + T.if_then_else(tx + T.shift_left(1, o) < 32, nxt, 0)
-                                if above >= need and above - cnt < need:
-                                    above = above - cnt
-                                    for i in T.serial(8):
-                                        if above < need:
-                                            above = above + hist[8 * tx + 7 - i]
-                                            if above >= need:
-                                                pick[0] = 8 * tx + 7 - i
-                                                pick[1] = need - above + hist[8 * tx + 7 - i]
-                            T.sync_threads()
-                            thr = T.bitwise_or(thr, T.shift_left(pick[0], lo))
-                            need = pick[1]
-                    # order-preserving compaction of the winners (keys >= thr) into `chosen`
-                    cnt = 0
-                    for i in T.serial(seg):
-                        p = tx * seg + i
-                        if p < n:
-                            if keys[p] >= thr:
-                                cnt += 1
-                    counts[tx] = cnt
-                    T.sync_threads()
-                    w = 0
-                    for i in T.serial(threads):
-                        if i < tx:
-                            w += counts[i]
-                    for i in T.serial(seg):
-                        p = tx * seg + i
-                        if p < n:
-                            if keys[p] >= thr:
-                                chosen[w] = T.if_then_else(
-                                    n_par == 0, p,
-                                    parents[p >> log_r] * r + T.bitwise_and(p, r - 1))
-                                w += 1
-                    T.sync_threads()
-                    for i in T.Parallel(top_k):
-                        if i >= T.min(n, top_k):
-                            chosen[i] = -1
+                if l > l_lo:
+                    _select_top_k(keys, n, top_k, hist, pick, tmp, tx, threads)
+                    thr = pick[0]
+                    _compact_winners(keys, n, thr, parents, n_par, chosen, counts, tx, threads, r, top_k)
                     if write_sel != 0:
                         for i in T.Parallel(top_k):
                             Sel[l - 1, b, t, h, i] = chosen[i]
@@ -820,7 +839,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
                             m_new[g] = T.max(m_run[g], lse[g])
                         rescale(acc_o, s_part, m_run, m_new)
                 # (3) merge the non-winners (layer 0: everything) into the online softmax
-                if split0 and l == 0 and num_layers > 1:  # a layer-0 kernel merges layer 0
+                if split0 and l == l_lo and num_layers > 1:  # htree_layer16_kernel / htree_layer0_kernel go on from here
                     if tx == 0:
                         N0[b, ts, h] = n
                     for i in T.Parallel(top_k):
@@ -879,7 +898,7 @@ def htree_fwd_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_di
 
 @T.macro
 def _layer0_state_in(PartML, m_w, l_w, b, ts, h, w, gr, tg, G: int):
-    """Rows gr and gr + 8 (heads) of the layers above, for a layer-0 kernel's warp: their maximum is every warp's
+    """Rows gr and gr + 8 (heads) of the layers above, for a layer kernel's warp: their maximum is every warp's
     reference, their sum warp 0's (lane tg == 0; the others start empty)."""
     for rr in T.unroll(2):
         g = gr + 8 * rr
@@ -1115,31 +1134,37 @@ def htree_layer0_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head
     return htree_layer0
 
 
-def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
-                              compression_rate: int, top_k: int, max_top_nodes: int, scale: float, dtype: str,
-                              min_blocks: int = 3):
-    """16-bit layer 0 (merge everything, running maximum) of the rows of one slab, for r >= 16, after the walk
-    left each row's layer-0 parents in Par, its candidate count in N0 and the state of the layers above in
-    PartO / PartML (updated in place). One CTA per row; each warp takes every fourth tile of 16 candidates
-    (one parent's children, r >= 16) with its own online softmax, combined once in a fixed order.
+def htree_layer16_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, compression_rate: int,
+                         top_k: int, max_top_nodes: int, scale: float, dtype: str, middle: bool = False,
+                         min_blocks: int = 3):
+    """16-bit layers below the walk, for r >= 16: layer 0 (``middle=False``: merge everything) or a middle layer
+    0 < l < L - 1 (``middle=True``) of the rows of one slab. The walk (or the middle layer above) left each row's
+    parents of the layer in Par, its candidate count in N0, and the state of the layers above in PartO / PartML
+    (updated in place). One CTA per row; each warp takes every fourth tile of 16 candidates (one parent's children,
+    r >= 16) with its own online softmax, combined once in a fixed order.
+    A middle layer (1) scores every candidate into a per-slab scratch Scr and takes each head's log-sum-exp,
+    (2) packs the importance keys from the scratch into shared memory, selects the top_k (radix select, as the walk)
+    and hands the winners' children to the layer below through Par / N0 (in place), (3) merges the non-winners from
+    the scratch scores with V: each candidate's K and V are gathered once.
     No RoPE table rows per candidate: candidate p = r pi + c (child c of parent slot pi) is rotated at p, and
-    <R(q, n - 1), R(k, r pi + c)> = <R(q, n - 1 - r pi), R(k, c)>, so the tokens come pre-rotated at their
+    <R(q, n - 1), R(k, r pi + c)> = <R(q, n - 1 - r pi), R(k, c)>, so the nodes come pre-rotated at their
     child index (KRot, ``htree_rope_kernel`` with period r) and the query is rotated once per tile.
     The operands go from the gathers straight into m16n8k16 mma.sync fragments (lane (gr, tg) = (lane / 4,
     lane % 4)); dot products do not care about the order of the dimensions they sum, which is permuted so that
     every lane loads whole 16-byte pieces, side by side with its neighbours' (the kernel is bound by the L1
     wavefronts of its gathers, one per 128-byte line that an instruction touches):
       - scores S = Q K^T (M = 16 heads, two 8-candidate tiles): k-step ks's columns (2 tg, 2 tg + 1) are lane
-        tg's pairs kdim(tg, 2 ks), kdim(tg, 2 ks + 1) and columns (2 tg + 8, + 9) the same dims + K/2, so a lane holds
-        whole RoPE pairs of the query and K/8 dims of each half of its candidates gr and gr + 8;
+        tg's pairs kdim(tg, 2 ks), kdim(tg, 2 ks + 1) and columns (2 tg + 8, + 9) the same dims + K/2, so a lane
+        holds whole RoPE pairs of the query and K/8 dims of each half of its candidates gr and gr + 8;
       - O^T += V^T P^T (M = 16 V dims, N = 8 heads, K = the 16 candidates): the score accumulators are P^T's
         B fragments as they are (no transpose); rows gr and gr + 8 of m-tile mt are lane gr's V dims
-        vdim(gr, 2 mt), vdim(gr, 2 mt + 1), so a lane loads V/8 dims of each of its candidates 2 tg, 2 tg + 1, 2 tg + 8,
-        2 tg + 9."""
+        vdim(gr, 2 mt), vdim(gr, 2 mt + 1), so a lane loads V/8 dims of each of its candidates 2 tg, 2 tg + 1,
+        2 tg + 8, 2 tg + 9."""
     H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
     G = H // Hkv
     NH = 1 if G <= 8 else 2  # heads in tiles of 8: score rows gr (and gr + 8), O^T's N tiles
     half = K // 2
+    log_r = int(math.log2(r))
     KP, VP = K // 8, V // 8  # per lane: RoPE pairs of the query, V dims of a candidate
     KC, VC = min(8, KP), min(8, VP)  # of them per 16-byte load
 
@@ -1150,27 +1175,130 @@ def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
         return VC * gr + 8 * VC * (i // VC) + i % VC
     KS, VM = K // 16, V // 16  # the scores' k-steps, O^T's m-tiles
     nbuf = 1 << pack_bits(r, top_k, max_top_nodes)
+    pos_mask = nbuf - 1
     q_scale = scale * _LOG2E
-    B, Tn, TS = T.dynamic("B"), T.dynamic("T"), T.dynamic("TS")
+    B, Tn, TS, NR, NV = T.dynamic("B"), T.dynamic("T"), T.dynamic("TS"), T.dynamic("NR"), T.dynamic("NV")
+    SL, SB, ST = T.dynamic("SL"), T.dynamic("SB"), T.dynamic("ST")
+    XB, XT, XH, XG, XN = T.dynamic("XB"), T.dynamic("XT"), T.dynamic("XH"), T.dynamic("XG"), T.dynamic("XN")
+
+    @T.macro
+    def tile_scores(KRot, Cos, Sin, parents, qx, qy, fc, fs, fk_x, fk_y, qa, kb, sc, b, h, n, p0, gr, tg):
+        """sc = the tile's log2-domain scores (_NEG past the candidates): sc[4 j + 2 rr + e] is head 8 rr + gr,
+        candidate p0 + 8 j + 2 tg + e."""
+        pi = p0 // r
+        row0 = parents[T.min(pi, top_k - 1)] * r + T.bitwise_and(p0, r - 1)
+        # K and the angle's table rows in flight at once (candidates past n, masked below, read clamped rows)
+        for j in T.unroll(2):
+            row = T.max(T.min(row0 + gr + 8 * j, NR - 1), 0)
+            for c in T.unroll(KP // KC):
+                for e in T.vectorized(KC):
+                    fk_x[j * KP + c * KC + e] = KRot[b, h, row, KC * tg + 4 * KC * c + e]
+                for e in T.vectorized(KC):
+                    fk_y[j * KP + c * KC + e] = KRot[b, h, row, half + KC * tg + 4 * KC * c + e]
+        for c in T.unroll(KP // KC):
+            for e in T.vectorized(KC):
+                fc[c * KC + e] = Cos[n - 1 - pi * r, KC * tg + 4 * KC * c + e]
+            for e in T.vectorized(KC):
+                fs[c * KC + e] = Sin[n - 1 - pi * r, KC * tg + 4 * KC * c + e]
+        # the query at the tile's relative position n - 1 - r pi
+        for rr in T.unroll(NH):
+            for e in T.unroll(KP):
+                lo_v, hi_v = _rope_pair(T.cast(qx[rr * KP + e], "float32"), T.cast(qy[rr * KP + e], "float32"),
+                                        fc[e], fs[e])
+                qa[e // 2 * 8 + 2 * rr + e % 2] = T.cast(lo_v, dtype)
+                qa[e // 2 * 8 + 4 + 2 * rr + e % 2] = T.cast(hi_v, dtype)
+        for j in T.unroll(2):
+            for e in T.unroll(4):
+                sc[j * 4 + e] = 0.0
+            for ks in T.unroll(KS):
+                for e in T.unroll(2):
+                    kb[e] = fk_x[j * KP + 2 * ks + e]
+                    kb[2 + e] = fk_y[j * KP + 2 * ks + e]
+                _mma(qa, ks * 8, kb, 0, sc, j * 4, dtype)
+        for j in T.unroll(2):
+            for e in T.unroll(4):
+                sc[j * 4 + e] = T.if_then_else(p0 + 8 * j + 2 * tg + e % 2 < n, sc[j * 4 + e] * q_scale, _NEG)
+
+    @T.macro
+    def softmax_update(sc, m_w, l_w, mx, al):
+        """Fold the tile's scores into the warp's running maximum m_w and sum l_w (al: the old state's rescale);
+        sc becomes the probabilities against m_w."""
+        for rr in T.unroll(NH):
+            mx[rr] = m_w[rr]
+            for j in T.unroll(2):
+                for e in T.unroll(2):
+                    mx[rr] = T.max(mx[rr], sc[j * 4 + 2 * rr + e])
+            mx[rr] = T.max(mx[rr], T.shfl_xor(mx[rr], 1))
+            mx[rr] = T.max(mx[rr], T.shfl_xor(mx[rr], 2))
+            al[rr] = T.exp2(m_w[rr] - mx[rr])
+            m_w[rr] = mx[rr]
+            l_w[rr] *= al[rr]
+            for j in T.unroll(2):
+                for e in T.unroll(2):
+                    i = j * 4 + 2 * rr + e
+                    sc[i] = T.if_then_else(sc[i] <= _NEG, 0.0, T.exp2(sc[i] - m_w[rr]))
+                    l_w[rr] += sc[i]
+
+    @T.macro
+    def tile_merge(Vt, parents, fv, va, pb, sc, o_acc, m_w, l_w, mx, al, b, h, p0, v_off, gr, tg):
+        """Merge the tile (scores sc) into the warp's online softmax (m_w, l_w, o_acc) with the candidates' V."""
+        row0 = v_off + parents[T.min(p0 // r, top_k - 1)] * r + T.bitwise_and(p0, r - 1)
+        # V after the scores: fewer registers, so 3 CTAs per SM without spills
+        for c in T.unroll(4):
+            row = T.max(T.min(row0 + 2 * tg + c % 2 + 8 * (c // 2), NV - 1), 0)
+            for vc in T.unroll(VP // VC):
+                for e in T.vectorized(VC):
+                    fv[c * VP + vc * VC + e] = Vt[b, row, h, VC * gr + 8 * VC * vc + e]
+        softmax_update(sc, m_w, l_w, mx, al)
+        for rr in T.unroll(NH):
+            for j in T.unroll(2):
+                for e in T.unroll(2):
+                    pb[rr * 4 + 2 * j + e] = T.cast(sc[j * 4 + 2 * rr + e], dtype)
+        # O^T's column 2 tg + e of head tile nh is head 8 nh + 2 tg + e, whose rescale lane 4 (2 tg + e) holds
+        for nh in T.unroll(NH):
+            for e in T.unroll(2):
+                mx[0] = T.shfl_sync(al[nh], 4 * (2 * tg + e))
+                for mt in T.unroll(VM):
+                    for hi in T.unroll(2):
+                        o_acc[(mt * NH + nh) * 4 + 2 * hi + e] *= mx[0]
+        for mt in T.unroll(VM):
+            for c2 in T.unroll(2):
+                for hi in T.unroll(2):
+                    for e in T.unroll(2):
+                        va[4 * c2 + 2 * hi + e] = fv[(2 * c2 + e) * VP + 2 * mt + hi]
+            for nh in T.unroll(NH):
+                _mma(va, 0, pb, nh * 4, o_acc, (mt * NH + nh) * 4, dtype)
 
     @T.prim_func
-    def htree_layer0_16bit(
+    def htree_layer16(
         Q: T.Tensor((B, Tn, H, K), dtype),
-        KRot: T.Tensor((B, Hkv, Tn, K), dtype),
-        Vt: T.Tensor((B, Tn, Hkv, V), dtype),
+        KRot: T.Tensor((B, Hkv, NR, K), dtype),
+        Vt: T.Tensor((B, NV, Hkv, V), dtype),
         Cos: T.Tensor((nbuf, half), "float32"),
         Sin: T.Tensor((nbuf, half), "float32"),
         Par: T.Tensor((B, TS, Hkv, top_k), "int32"),
         N0: T.Tensor((B, TS, Hkv), "int32"),
         PartO: T.Tensor((B, TS, H, V), "float32"),
         PartML: T.Tensor((B, TS, H, 2), "float32"),
+        Scr: T.Tensor((XB, XT, XH, XG, XN), "float32"),  # [B, TS, Hkv, G, nbuf] (a middle layer)
+        Sel: T.Tensor((SL, SB, ST, Hkv, top_k), "int32"),
         t_start: T.int32,
+        v_off: T.int32,
+        layer: T.int32,
+        write_sel: T.int32,
     ):
         with T.Kernel(TS, Hkv, B, threads=128) as (ts, h, b):
             T.annotate_min_blocks_per_sm(min_blocks)
             parents = T.alloc_shared((top_k,), "int32")
             o_sh = T.alloc_shared((16, V), "float32")
             red = T.alloc_shared((5, 16), "float32")
+            # a middle layer's selection (placeholders at layer 0)
+            keys = T.alloc_shared((nbuf,) if middle else (1,), "int32")
+            chosen = T.alloc_shared((top_k,) if middle else (1,), "int32")
+            counts = T.alloc_shared((128,) if middle else (1,), "int32")
+            hist = T.alloc_shared((256,) if middle else (1,), "int32")
+            pick = T.alloc_shared((2,), "int32")
+            lse = T.alloc_shared((16,), "float32")
             qx = T.alloc_local((NH * KP,), dtype)  # the raw query pairs (i, i + K/2) of head rows gr (gr + 8)
             qy = T.alloc_local((NH * KP,), dtype)
             fc = T.alloc_local((KP,), "float32")  # a tile's gathers: its RoPE angle, K rows gr and gr + 8, V rows
@@ -1188,6 +1316,9 @@ def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
             l_w = T.alloc_local((2,), "float32")
             mx = T.alloc_local((2,), "float32")
             al = T.alloc_local((2,), "float32")
+            prob = T.alloc_local((G, 1), "float32")
+            tmp = T.alloc_local((4,), "int32")
+            thr = T.alloc_var("int32")  # smallest winning key (middle layers)
 
             tx = T.get_thread_binding()
             lane = tx % 32
@@ -1209,7 +1340,48 @@ def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                                                      T.cast(0.0, dtype))
             for i in T.unroll(KS * 8):  # rows gr + 8 stay zero with G <= 8
                 qa[i] = T.cast(0.0, dtype)
-            # the layers above: warp 0 carries their state, the others start empty (same reference)
+            T.sync_threads()
+            thr = 0
+            if middle:
+                # (1) every candidate's scores into the scratch, each head's log-sum-exp
+                for rr in T.unroll(2):
+                    m_w[rr] = _NEG
+                    l_w[rr] = 0.0
+                for it in T.serial(T.ceildiv(T.max(T.ceildiv(n, 16) - w, 0), 4)):
+                    p0 = (w + 4 * it) * 16
+                    tile_scores(KRot, Cos, Sin, parents, qx, qy, fc, fs, fk_x, fk_y, qa, kb, sc, b, h, n, p0, gr, tg)
+                    for rr in T.unroll(NH):
+                        for j in T.unroll(2):
+                            for e in T.unroll(2):
+                                p = p0 + 8 * j + 2 * tg + e
+                                if gr + 8 * rr < G and p < n:
+                                    Scr[b, ts, h, T.min(gr + 8 * rr, G - 1), p] = sc[j * 4 + 2 * rr + e]
+                    softmax_update(sc, m_w, l_w, mx, al)
+                _layer0_warp_scales(m_w, l_w, mx, al, red, w, gr, tg)
+                for g in T.Parallel(16):
+                    lse[g] = red[4, g] + T.log2((red[0, g] + red[1, g]) + (red[2, g] + red[3, g]))
+                T.sync_threads()
+                # (2) the packed importance keys, the top-k threshold and the winners' children for the layer below
+                for i in T.serial(T.ceildiv(n, 128)):
+                    p = i * 128 + tx
+                    if p < n:
+                        for g in T.unroll(G):
+                            pr = T.exp2(Scr[b, ts, h, g, p] - lse[g])
+                            prob[g, 0] = T.if_then_else(pr < _FLT_MIN, 0.0, pr)
+                        keys[p] = _packed_key(prob, G, 0, 0, p, n, pos_mask)
+                T.sync_threads()
+                _select_top_k(keys, n, top_k, hist, pick, tmp, tx, 128)
+                thr = pick[0]
+                _compact_winners(keys, n, thr, parents, 1, chosen, counts, tx, 128, r, top_k)
+                if write_sel != 0:
+                    for i in T.Parallel(top_k):
+                        Sel[layer - 1, b, t, h, i] = chosen[i]
+                for i in T.Parallel(top_k):
+                    Par[b, ts, h, i] = chosen[i]
+                if tx == 0:
+                    N0[b, ts, h] = (T.min(n, top_k) - 1) * r + T.bitwise_and(t >> ((layer - 1) * log_r), r - 1) + 1
+            # (3) merge the non-winners (layer 0: everything) into the online softmax; the layers above: warp 0
+            # carries their state, the others start empty (same reference)
             for mt in T.unroll(VM):
                 for nh in T.unroll(NH):
                     for e in T.unroll(4):
@@ -1217,79 +1389,19 @@ def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                         o_acc[(mt * NH + nh) * 4 + e] = T.if_then_else(
                             w == 0 and g < G, PartO[b, ts, h * G + T.min(g, G - 1), vdim(gr, 2 * mt + e // 2)], 0.0)
             _layer0_state_in(PartML, m_w, l_w, b, ts, h, w, gr, tg, G)
-            T.sync_threads()
-
             for it in T.serial(T.ceildiv(T.max(T.ceildiv(n, 16) - w, 0), 4)):
                 p0 = (w + 4 * it) * 16
-                pi = p0 // r
-                row0 = parents[T.min(pi, top_k - 1)] * r + T.bitwise_and(p0, r - 1)
-                # K and the angle's table rows in flight at once (candidates past n, masked below, read clamped rows)
-                for j in T.unroll(2):
-                    row = T.max(T.min(row0 + gr + 8 * j, Tn - 1), 0)
-                    for c in T.unroll(KP // KC):
-                        for e in T.vectorized(KC):
-                            fk_x[j * KP + c * KC + e] = KRot[b, h, row, KC * tg + 4 * KC * c + e]
-                        for e in T.vectorized(KC):
-                            fk_y[j * KP + c * KC + e] = KRot[b, h, row, half + KC * tg + 4 * KC * c + e]
-                for c in T.unroll(KP // KC):
-                    for e in T.vectorized(KC):
-                        fc[c * KC + e] = Cos[n - 1 - pi * r, KC * tg + 4 * KC * c + e]
-                    for e in T.vectorized(KC):
-                        fs[c * KC + e] = Sin[n - 1 - pi * r, KC * tg + 4 * KC * c + e]
-                # the query at the tile's relative position n - 1 - r pi
-                for rr in T.unroll(NH):
-                    for e in T.unroll(KP):
-                        lo_v, hi_v = _rope_pair(T.cast(qx[rr * KP + e], "float32"), T.cast(qy[rr * KP + e], "float32"),
-                                                fc[e], fs[e])
-                        qa[e // 2 * 8 + 2 * rr + e % 2] = T.cast(lo_v, dtype)
-                        qa[e // 2 * 8 + 4 + 2 * rr + e % 2] = T.cast(hi_v, dtype)
-                for j in T.unroll(2):
-                    for e in T.unroll(4):
-                        sc[j * 4 + e] = 0.0
-                    for ks in T.unroll(KS):
-                        for e in T.unroll(2):
-                            kb[e] = fk_x[j * KP + 2 * ks + e]
-                            kb[2 + e] = fk_y[j * KP + 2 * ks + e]
-                        _mma(qa, ks * 8, kb, 0, sc, j * 4, dtype)
-                # V after the scores: fewer registers, so 3 CTAs per SM without spills
-                for c in T.unroll(4):
-                    row = T.max(T.min(row0 + 2 * tg + c % 2 + 8 * (c // 2), Tn - 1), 0)
-                    for vc in T.unroll(VP // VC):
-                        for e in T.vectorized(VC):
-                            fv[c * VP + vc * VC + e] = Vt[b, row, h, VC * gr + 8 * VC * vc + e]
-                # sc[4 j + 2 rr + e]: head 8 rr + gr, candidate p0 + 8 j + 2 tg + e
-                for rr in T.unroll(NH):
-                    mx[rr] = m_w[rr]
-                    for j in T.unroll(2):
-                        for e in T.unroll(2):
-                            i = j * 4 + 2 * rr + e
-                            sc[i] = T.if_then_else(p0 + 8 * j + 2 * tg + e < n, sc[i] * q_scale, _NEG)
-                            mx[rr] = T.max(mx[rr], sc[i])
-                    mx[rr] = T.max(mx[rr], T.shfl_xor(mx[rr], 1))
-                    mx[rr] = T.max(mx[rr], T.shfl_xor(mx[rr], 2))
-                    al[rr] = T.exp2(m_w[rr] - mx[rr])
-                    m_w[rr] = mx[rr]
-                    l_w[rr] *= al[rr]
-                    for j in T.unroll(2):
-                        for e in T.unroll(2):
-                            i = j * 4 + 2 * rr + e
-                            sc[i] = T.if_then_else(sc[i] <= _NEG, 0.0, T.exp2(sc[i] - m_w[rr]))
-                            l_w[rr] += sc[i]
-                            pb[rr * 4 + 2 * j + e] = T.cast(sc[i], dtype)
-                # O^T's column 2 tg + e of head tile nh is head 8 nh + 2 tg + e, whose rescale lane 4 (2 tg + e) holds
-                for nh in T.unroll(NH):
-                    for e in T.unroll(2):
-                        mx[0] = T.shfl_sync(al[nh], 4 * (2 * tg + e))
-                        for mt in T.unroll(VM):
-                            for hi in T.unroll(2):
-                                o_acc[(mt * NH + nh) * 4 + 2 * hi + e] *= mx[0]
-                for mt in T.unroll(VM):
-                    for c2 in T.unroll(2):
-                        for hi in T.unroll(2):
+                if middle:
+                    for rr in T.unroll(NH):
+                        for j in T.unroll(2):
                             for e in T.unroll(2):
-                                va[4 * c2 + 2 * hi + e] = fv[(2 * c2 + e) * VP + 2 * mt + hi]
-                    for nh in T.unroll(NH):
-                        _mma(va, 0, pb, nh * 4, o_acc, (mt * NH + nh) * 4, dtype)
+                                p = p0 + 8 * j + 2 * tg + e
+                                sc[j * 4 + 2 * rr + e] = T.if_then_else(
+                                    p < n and keys[T.min(p, nbuf - 1)] < thr,
+                                    Scr[b, ts, h, T.min(gr + 8 * rr, G - 1), T.min(p, nbuf - 1)], _NEG)
+                else:
+                    tile_scores(KRot, Cos, Sin, parents, qx, qy, fc, fs, fk_x, fk_y, qa, kb, sc, b, h, n, p0, gr, tg)
+                tile_merge(Vt, parents, fv, va, pb, sc, o_acc, m_w, l_w, mx, al, b, h, p0, v_off, gr, tg)
 
             # the warps' states, combined in a fixed order
             _layer0_warp_scales(m_w, l_w, mx, al, red, w, gr, tg)
@@ -1305,7 +1417,7 @@ def htree_layer0_16bit_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                 T.sync_threads()
             _layer0_state_out(o_sh, red, PartO, PartML, b, ts, h, G)
 
-    return htree_layer0_16bit
+    return htree_layer16
 
 
 def _split_tf32(x: torch.Tensor) -> torch.Tensor:
@@ -1333,11 +1445,12 @@ class HTreeForwardTileLang:
 
     op_name = "htree"
     _KEYS_BYTES = 1 << 28  # the top layer's packed keys of one slab of queries
+    _SCRATCH_BYTES = 1 << 30  # a middle layer's scores of one slab (16-bit, r >= 16)
     # A chunk's gathers sit in registers (96 per thread at K = 128, bf16, block_n = 64: 2 CTAs per SM and
     # spills), so K > 32 takes chunks of 32 and 3 CTAs per SM (H200, (b) T=32768: 434 vs 600 ms); at
     # K = 32 (fp32: ~32 registers, 72 KB of shared memory) chunks of 64 fit 3 CTAs per SM. chunk_rope
     # (16-bit only) measured 2-9% faster (H100, (b) T=32768 382 -> 349 ms, 131072 1816 -> 1781 ms).
-    # tiles0, min_blocks0: the layer-0 kernel's 8-candidate tiles per warp step (fp32 only) and CTAs per SM: fp32
+    # tiles0, min_blocks0: the layer kernels' 8-candidate tiles per warp step (fp32 only) and CTAs per SM: fp32
     # measured at (a) (2 and 4: 127 registers, no spills), 16-bit at (b) (3: 166 registers, no spills; 4 spills);
     # docs/perf.md. Not in the autotuned space (config_space tunes the walk, tunable_kernel)
     DEFAULT_CONFIG = {"block_n": 32, "threads": 128, "min_blocks": 3, "chunk_rope": True, "tiles0": 2, "min_blocks0": 3}
@@ -1396,18 +1509,19 @@ class HTreeForwardTileLang:
                                                                self.scale, _DTYPES[dtype], block_n=chunk["merge"]))
         walk = {k: v for k, v in self.config.items() if k not in ("tiles0", "min_blocks0")}
         self.kernel = compile_kernel(htree_fwd_kernel(**self.spec, **walk))
-        self.layer0 = self.rope0 = None
+        self.layer0 = self.middle = self.rope0 = None
         if _split_layer0(_DTYPES[dtype], head_dim, v_head_dim, num_heads // num_kv_heads, compression_rate):
             shape = (num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate, top_k_per_layer, max_top_nodes,
                      self.scale)
             if dtype == torch.float32:
                 self.layer0 = compile_kernel(htree_layer0_kernel(*shape, tiles0=self.config["tiles0"],
                                                                  min_blocks=self.config["min_blocks0"]))
-            else:  # the tokens pre-rotated at their child index
+            else:  # the nodes below the top pre-rotated at their child index
                 self.rope0 = compile_kernel(htree_rope_kernel(num_kv_heads, head_dim, _DTYPES[dtype],
                                                               period=compression_rate))
-                self.layer0 = compile_kernel(htree_layer0_16bit_kernel(*shape, _DTYPES[dtype],
-                                                                       min_blocks=self.config["min_blocks0"]))
+                self.layer0, self.middle = (compile_kernel(htree_layer16_kernel(
+                    *shape, _DTYPES[dtype], middle=middle, min_blocks=self.config["min_blocks0"]))
+                    for middle in (False, True))
         self._tables = {}
 
     def _rope(self, device):
@@ -1448,13 +1562,14 @@ class HTreeForwardTileLang:
         top = k.new_empty(B, Hkv, sizes[-1], self.head_dim)
         cos, sin = self._rope(k.device)
         self.rope(k if len(sizes) == 1 else nodes_k, cos, sin, top, 0 if len(sizes) == 1 else offs[-1])
-        return nodes_k, nodes_v, top, layer_off.to(k.device), offs[-1], len(sizes)
+        return nodes_k, nodes_v, top, layer_off.to(k.device), offs, sizes
 
     def __call__(self, q, k, v, return_selection=False, out=None):
         self._check(q, k, v, out)
         B, T = q.shape[:2]
         H, Hkv, V = self.num_heads, self.num_kv_heads, self.v_head_dim
-        nodes_k, nodes_v, top, layer_off, top_off, L = self._tree(k, v)
+        nodes_k, nodes_v, top, layer_off, offs, sizes = self._tree(k, v)
+        top_off, L = offs[-1], len(sizes)
         cos, sin = self._rope(q.device)
         if out is None:
             out = torch.empty(B, T, H, V, dtype=q.dtype, device=q.device)
@@ -1464,7 +1579,7 @@ class HTreeForwardTileLang:
         if L == 1:  # one layer: the walk merges everything and writes O (no top-layer workspaces)
             self.kernel(q, k, v, nodes_k, nodes_v, top, torch.empty(B, 1, Hkv, 1, **i32), cos, sin, layer_off, out,
                         torch.empty(B, T, Hkv, **i32), torch.empty(B, 1, H, V, **f32), torch.empty(B, 1, H, 2, **f32),
-                        sel, torch.empty(B, 1, Hkv, self.top_k, **i32), torch.empty(B, 1, Hkv, **i32), L, 0, 0)
+                        sel, torch.empty(B, 1, Hkv, self.top_k, **i32), torch.empty(B, 1, Hkv, **i32), L, 0, 0, 0)
             return (out, []) if return_selection else out
         shift = (L - 1) * int(math.log2(self.compression_rate))
         lse = torch.empty(B, T, H, **f32)
@@ -1476,8 +1591,13 @@ class HTreeForwardTileLang:
             top_v[..., :n_top] = nodes_v[:, top_off:top_off + n_top].permute(0, 2, 3, 1)
             top_k, top_v = _split_tf32(top), _split_tf32(top_v)
         self.top_lse(q, top_k, cos, sin, lse, shift)
-        slab = max(1, min(T, self._KEYS_BYTES // (4 * B * Hkv * n_top)))
+        # htree_layer16_kernel takes the middle layers (16-bit, r >= 16), with their scores in a per-slab scratch
+        l_lo = L - 2 if self.middle is not None and L > 2 else 0
+        nbuf = 1 << pack_bits(self.compression_rate, self.top_k, self.max_top_nodes)
+        scr_row = 4 * B * Hkv * (H // Hkv) * nbuf if l_lo else 0
+        slab = max(1, min(T, self._KEYS_BYTES // (4 * B * Hkv * n_top), self._SCRATCH_BYTES // max(scr_row, 1)))
         slab = slab - slab % 64 if slab >= 64 else slab  # whole CTAs of the top kernels
+        scr_buf = torch.empty(slab * scr_row // 4 if l_lo else 1, **f32)
         keys_buf = torch.empty(B * slab * Hkv * n_top, **i32)
         thr_buf = torch.empty(B * slab * Hkv, **i32)
         part_o_buf, part_ml_buf = torch.empty(B * slab * H * V, **f32), torch.empty(B * slab * H * 2, **f32)
@@ -1488,10 +1608,12 @@ class HTreeForwardTileLang:
         def carve(buf, *shape):  # a contiguous view of the slab's part of a workspace
             return buf[:math.prod(shape)].view(shape)
 
-        k0 = k
-        if self.rope0 is not None:  # htree_layer0_16bit_kernel's K: rotated at t % r, [B, Hkv, T, K]
-            k0 = k.new_empty(B, Hkv, T, self.head_dim)
-            self.rope0(k, cos, sin, k0, 0)
+        # htree_layer16_kernel's K: the tokens and the middle layers' nodes rotated at their child index
+        rot = []
+        if self.rope0 is not None:
+            for l in range(max(l_lo, 0) + 1):
+                rot.append(k.new_empty(B, Hkv, sizes[l], self.head_dim))
+                self.rope0(k if l == 0 else nodes_k, cos, sin, rot[l], offs[l])
 
         for t0 in range(0, T, slab):
             ts = min(slab, T - t0)
@@ -1501,8 +1623,14 @@ class HTreeForwardTileLang:
             par, n0 = carve(par_buf, B, min(ts, par_rows), Hkv, self.top_k), carve(n0_buf, B, min(ts, par_rows), Hkv)
             self.top_keys(q, top_k, cos, sin, lse, keys, shift, t0)
             self.kernel(q, k, v, nodes_k, nodes_v, top, keys, cos, sin, layer_off, out, thr, part_o, part_ml, sel, par,
-                        n0, L, int(write_sel), t0)
-            if self.layer0 is not None:
-                self.layer0(q, k0, v, cos, sin, par, n0, part_o, part_ml, t0)
+                        n0, L, int(write_sel), t0, l_lo)
+            scr = carve(scr_buf, B, ts, Hkv, H // Hkv, nbuf) if l_lo else scr_buf.view(1, 1, 1, 1, 1)
+            for l in range(l_lo, 0, -1):
+                self.middle(q, rot[l], nodes_v, cos, sin, par, n0, part_o, part_ml, scr, sel, t0, offs[l], l,
+                            int(write_sel))
+            if self.rope0 is not None:
+                self.layer0(q, rot[0], v, cos, sin, par, n0, part_o, part_ml, scr, sel, t0, 0, 0, 0)
+            elif self.layer0 is not None:
+                self.layer0(q, k, v, cos, sin, par, n0, part_o, part_ml, t0)
             self.top_merge(q, top_k, top_v, cos, sin, lse, keys, thr, part_o, part_ml, out, shift, t0, top_off)
         return (out, list(sel.unbind(0)) if write_sel else []) if return_selection else out

@@ -176,7 +176,8 @@ def bench_op(request):
 def test_compiles_for_sm90a(bench_op):
     assert all(kernel is not None for kernel in (bench_op.kernel, bench_op.pool, bench_op.rope, bench_op.top_lse,
                                                  bench_op.top_keys, bench_op.top_merge, bench_op.layer0))
-    assert (bench_op.rope0 is None) == (bench_op.dtype == torch.float32)  # 16-bit: K pre-rotated for layer 0
+    # 16-bit (r >= 16): K pre-rotated for the layer kernel, which also takes the middle layers
+    assert (bench_op.rope0 is None) == (bench_op.middle is None) == (bench_op.dtype == torch.float32)
 
 
 @pytest.mark.compile
@@ -189,14 +190,14 @@ def test_compiles_fp32_layer0_variants():
 
 @pytest.mark.compile
 def test_compiles_16bit_layer0_variants():
-    """16-bit layer 0 from register fragments with two head tiles (G = 16), K != V and r = 32; r < 16 keeps layer 0
-    in the walk."""
+    """16-bit layer 0 and middle layers from register fragments with two head tiles (G = 16), K != V and r = 32;
+    r < 16 keeps them in the walk."""
     op = HTreeForwardTileLang(16, 1, 64, 32, compression_rate=32, top_k_per_layer=16, max_top_nodes=64,
                               dtype=torch.float16)
-    assert op.layer0 is not None and op.rope0 is not None
+    assert op.layer0 is not None and op.middle is not None and op.rope0 is not None
     op = HTreeForwardTileLang(8, 2, 32, 64, compression_rate=4, top_k_per_layer=4, max_top_nodes=16,
                               dtype=torch.bfloat16)
-    assert op.layer0 is None and op.rope0 is None
+    assert op.layer0 is None and op.middle is None and op.rope0 is None
 
 
 @pytest.mark.compile

@@ -19,8 +19,8 @@ CASES = [
     (torch.float32, 16, 1, 32, 32, 4, 8, 32, 777),
     (torch.float32, 8, 2, 32, 32, 4, 4, 16, 300),
     (torch.float32, 32, 2, 32, 32, 16, 8, 128, 3001),
-    # 16-bit with r >= 16: layer 0 from register fragments (htree_layer0_16bit_kernel; CASES[3] too), two heads
-    # tiles with G = 16, r = 32
+    # 16-bit with r >= 16: layer 0 and (L = 3) the middle layer from register fragments (htree_layer16_kernel;
+    # CASES[3] too, L = 2), two head tiles with G = 16, r = 32
     (torch.bfloat16, 32, 8, 128, 128, 16, 16, 64, 3001),
     (torch.float16, 16, 1, 64, 32, 16, 8, 32, 1500),
     (torch.bfloat16, 8, 2, 32, 64, 32, 4, 64, 2100),
@@ -78,8 +78,9 @@ def test_htree_layer0_tiles(case, tiles0, poisoned):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case,keys_bytes", [(CASES[2], 2 * 2 * 32 * 4 * 100), (CASES[3], 2 * 2 * 313 * 4 * 10)],
-                         ids=["fp32-slabs-of-64", "bf16-slabs-of-10"])
+@pytest.mark.parametrize("case,keys_bytes", [(CASES[2], 2 * 2 * 32 * 4 * 100), (CASES[3], 2 * 2 * 313 * 4 * 10),
+                                              (CASES[7], 2 * 8 * 12 * 4 * 100)],
+                         ids=["fp32-slabs-of-64", "bf16-slabs-of-10", "bf16-middle-layer-slabs-of-64"])
 def test_htree_in_slabs(case, keys_bytes, poisoned):
     """Queries split into slabs (the last one partial, and slabs smaller than a top-kernel CTA's queries)."""
     check_case(case, poisoned, keys_bytes)
