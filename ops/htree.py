@@ -1601,7 +1601,7 @@ class HTreeForwardTileLang:
         keys_buf = torch.empty(B * slab * Hkv * n_top, **i32)
         thr_buf = torch.empty(B * slab * Hkv, **i32)
         part_o_buf, part_ml_buf = torch.empty(B * slab * H * V, **f32), torch.empty(B * slab * H * 2, **f32)
-        # layer 0's parents and candidate counts, for htree_layer0_kernel (else one-row placeholders)
+        # the parents and candidate counts the walk hands over to the layer kernels (else one-row placeholders)
         par_rows = slab if self.layer0 is not None else 1
         par_buf, n0_buf = torch.empty(B * par_rows * Hkv * self.top_k, **i32), torch.empty(B * par_rows * Hkv, **i32)
 
@@ -1611,7 +1611,7 @@ class HTreeForwardTileLang:
         # htree_layer16_kernel's K: the tokens and the middle layers' nodes rotated at their child index
         rot = []
         if self.rope0 is not None:
-            for l in range(max(l_lo, 0) + 1):
+            for l in range(l_lo + 1):
                 rot.append(k.new_empty(B, Hkv, sizes[l], self.head_dim))
                 self.rope0(k if l == 0 else nodes_k, cos, sin, rot[l], offs[l])
 
