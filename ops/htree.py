@@ -280,7 +280,7 @@ def _compact_winners(keys, n, thr, parents, n_par, chosen, counts, tx, threads: 
         p = tx * seg + i
         if p < n:
             if keys[p] >= thr:
-                chosen[pos] = T.if_then_else(n_par == 0, p, parents[p >> int(math.log2(r))] * r + T.bitwise_and(p, r - 1))
+                chosen[pos] = T.if_then_else(n_par == 0, p, _child(parents, p, r, top_k))
                 pos += 1
     T.sync_threads()
     for i in T.Parallel(top_k):
@@ -1186,7 +1186,7 @@ def htree_layer16_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_hea
         """sc = the tile's log2-domain scores (_NEG past the candidates): sc[4 j + 2 rr + e] is head 8 rr + gr,
         candidate p0 + 8 j + 2 tg + e."""
         pi = p0 // r
-        row0 = parents[T.min(pi, top_k - 1)] * r + T.bitwise_and(p0, r - 1)
+        row0 = _child(parents, p0, r, top_k)
         # K and the angle's table rows in flight at once (candidates past n, masked below, read clamped rows)
         for j in T.unroll(2):
             row = T.max(T.min(row0 + gr + 8 * j, NR - 1), 0)
@@ -1242,7 +1242,7 @@ def htree_layer16_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_hea
     @T.macro
     def tile_merge(Vt, parents, fv, va, pb, sc, o_acc, m_w, l_w, mx, al, b, h, p0, v_off, gr, tg):
         """Merge the tile (scores sc) into the warp's online softmax (m_w, l_w, o_acc) with the candidates' V."""
-        row0 = v_off + parents[T.min(p0 // r, top_k - 1)] * r + T.bitwise_and(p0, r - 1)
+        row0 = v_off + _child(parents, p0, r, top_k)
         # V after the scores: fewer registers, so 3 CTAs per SM without spills
         for c in T.unroll(4):
             row = T.max(T.min(row0 + 2 * tg + c % 2 + 8 * (c // 2), NV - 1), 0)
@@ -1594,7 +1594,7 @@ class HTreeForwardTileLang:
         # htree_layer16_kernel takes the middle layers (16-bit, r >= 16), with their scores in a per-slab scratch
         l_lo = L - 2 if self.middle is not None and L > 2 else 0
         nbuf = 1 << pack_bits(self.compression_rate, self.top_k, self.max_top_nodes)
-        scr_row = 4 * B * Hkv * (H // Hkv) * nbuf if l_lo else 0
+        scr_row = 4 * B * H * nbuf if l_lo else 0  # scratch bytes per query row
         slab = max(1, min(T, self._KEYS_BYTES // (4 * B * Hkv * n_top), self._SCRATCH_BYTES // max(scr_row, 1)))
         slab = slab - slab % 64 if slab >= 64 else slab  # whole CTAs of the top kernels
         scr_buf = torch.empty(slab * scr_row // 4 if l_lo else 1, **f32)
