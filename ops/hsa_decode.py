@@ -749,6 +749,7 @@ class HSADecodeTileLang:
         self.decode_kernel = compile_kernel(hsa_decode_kernel(**sp),
                                             pass_configs={"tl.disable_warp_specialized": True})
         self.combine_kernel = compile_kernel(hsa_combine_kernel(num_heads, head_dim, sp["dtype"]))
+        self._all_valid = {}  # device -> uint8 ones, the repr_valid of calls without one
 
     # -- validation
     def _check_common(self, q, page_table, seq_lens, chunk_repr, repr_valid):
@@ -791,12 +792,21 @@ class HSADecodeTileLang:
             _check_values(self._value_checks(page_table, seq_lens, chunk_repr.shape[0]))
         return self._select(q, page_table, seq_lens, chunk_repr, repr_valid)
 
+    def _valid(self, repr_valid, num_pages: int, device):
+        """repr_valid as bytes; without one, all pages valid: a buffer kept per device rather than a fill per
+        call, except one made during a CUDA graph capture (its fill runs only when the graph does)."""
+        if repr_valid is not None:
+            return repr_valid.view(torch.uint8)
+        ones = self._all_valid.get(device)
+        if ones is None or ones.numel() < num_pages:
+            ones = torch.ones(num_pages, dtype=torch.uint8, device=device)
+            if not torch.cuda.is_current_stream_capturing():
+                self._all_valid[device] = ones
+        return ones[:num_pages]
+
     def _select(self, q, page_table, seq_lens, chunk_repr, repr_valid):
         B, Hkv, k = q.shape[0], self.spec["num_kv_heads"], self.spec["topk"]
-        if repr_valid is None:
-            valid = torch.ones(chunk_repr.shape[0], dtype=torch.uint8, device=q.device)
-        else:
-            valid = repr_valid.view(torch.uint8)
+        valid = self._valid(repr_valid, chunk_repr.shape[0], q.device)
         # Allocated as int32: torch has few uint32 kernels (fills included).
         max_pages, segment = page_table.shape[1], self.topk_config["segment"]
         keys = torch.empty(B, Hkv, max_pages, dtype=torch.int32, device=q.device).view(torch.uint32)

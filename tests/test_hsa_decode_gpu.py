@@ -138,6 +138,28 @@ def test_bench_rows_past_one_segment(poisoned):
     torch.testing.assert_close(o.float(), o_ref.float(), **TOL[torch.bfloat16])
 
 
+def test_without_repr_valid_every_page_counts():
+    """repr_valid=None: every page is valid (an all-valid buffer the op keeps per device, grown on demand)."""
+    op = get_op("g4")
+    for seed, seq_lens in ((14, [33, 640]), (15, [2000, 5, 900, 3000])):  # the second has more pages
+        inputs = make_case("g4", seed, invalid_frac=0.0, seq_lens=seq_lens)
+        args = (inputs["q"], inputs["page_table"], inputs["seq_lens"], inputs["chunk_repr"])
+        ids, _ = op.select(*args)
+        assert torch.equal(ids, op.select(*args, inputs["repr_valid"])[0])
+        assert torch.equal(op(**dict(inputs, repr_valid=None)), op(**inputs))
+        assert torch.equal(ids, golden_of("g4", dict(inputs, repr_valid=None))[1])
+
+
+@pytest.mark.parametrize("name", ["bench", "d256"])
+def test_back_to_back_calls_agree(name):
+    """Calls queued without a sync: every output is bitwise the first one's (deterministic merge order)."""
+    op, inputs = get_op(name), make_case(name, seed=12)
+    outs = [op(**inputs, validate=False) for _ in range(8)]
+    o_ref, _, _ = golden_of(name, inputs)
+    torch.testing.assert_close(outs[0].float(), o_ref.float(), **TOL[SPECS[name]["dtype"]])
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
 def test_nothing_to_attend_gives_zero():
     op = get_op("g16")
     inputs = make_case("g16", seed=5, seq_lens=[32, 48])
