@@ -1,15 +1,13 @@
 """HSA decode (`HSADecodeTileLang`): top-k page selection plus sparse paged decode on SGLang's paged KV.
 
-Selection (``select``) is two or three kernels: ``hsa_score`` gathers the request's candidate page reprs E_j
+Selection (``select``) is two kernels: ``hsa_score`` gathers the request's candidate page reprs E_j
 (through ``page_table``) and writes one sortable 32-bit key per (request, kv head, logical page)
-(the fp32 score with its bits flipped so that unsigned order is score order; 0 marks a non-candidate);
-``hsa_topk`` then finds the top-k of each (request, kv head) with a block-wide radix select over the
-56-bit key (score key, 0xFFFFFF - logical page): 8-bit digits, one shared-memory histogram per digit,
-stopping as soon as the k-th key's digits are settled; the index digits only matter on exact score ties
-and then make them go to the smaller logical page. The k winners are ranked by the same key. Rows longer
-than ``topk_config["segment"]`` keys take two stages (top-k of each segment, then of their winners), so
-they run on many CTAs, not one per (request, kv head); the merge ranks up to 512 winners by counting
-(one pass over shared memory) instead of radix passes.
+(the fp32 score with its bits flipped so that unsigned order is score order; 0 marks a non-candidate).
+``hsa_topk`` (one CTA per (request, kv head)) counts a row's keys in a shared-memory histogram of their top
+12 bits, finds the bin of the k-th key, collects the keys in that bin and above in a second pass over the
+row and ranks them by counting. The order is that of the 56-bit key (score key, 0xFFFFFF - logical page), so
+ties go to the smaller logical page. If that bin is crowded (many equal scores) a radix select over the row
+(8-bit digits, one shared-memory histogram per digit) finds the winners first.
 
 Decode is split-K: the items of a (request, kv head) are its selected pages then the pages holding its
 local tokens; split ``s`` of ``num_splits`` takes a contiguous range of items, so the grid is
@@ -40,7 +38,9 @@ _LOG2E = 1.4426950408889634
 _RADIX = 256  # histogram bins of one radix-select digit (= threads of the top-k kernel)
 _KEY_BATCH = 8  # keys each top-k thread loads at once
 _IDX_BITS = 24  # logical page index bits of the selection key (max_pages < 2**24)
-_RANK_MAX = 2 * _RADIX  # merge rows up to this many candidates are ranked by counting, not radix passes
+_RANK_MAX = 2 * _RADIX  # up to this many top-k candidates are ranked by counting, without radix passes
+_HIST_BITS = 12  # the top-k counts a row's keys by their top bits: 1/8 of an octave of scores a bin
+_HIST_BINS = 1 << _HIST_BITS
 _RANK_UNROLL = 8
 _VEC = 8  # 16-bit elements of one 16-byte load
 _QROWS_DECODE = 16  # query rows of the decode products (one mma M tile; G <= 16)
@@ -251,57 +251,78 @@ def _key_to_score(key):
     return T.reinterpret(bits, "float32")
 
 
-def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: int, stage: str = "full",
-                    segment: int = 2048):
+def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: int):
     """Top-k of the key rows keys[b, h, :n_cand(b)] by (key, smaller logical page first), one CTA of 256
-    threads per row or row segment. ``stage``:
-      "full":    keys -> selected_page_ids (physical) and scores, best first, padded with -1 / -inf.
-      "segment": CTA s takes keys[b, h, s * segment : (s + 1) * segment] and writes its top-k, unordered, as
-                 (key, logical page) candidates [b, h, s * topk + i] (key 0 past its winners). A global
-                 winner is in its segment's top-k under the same total order, so:
-      "merge":   the top-k of those candidates -> selected_page_ids and scores, as "full".
-    Long rows thus run on many CTAs instead of one per (request, kv head)."""
+    threads per (request, kv head). A first pass over the row counts its keys by their top _HIST_BITS bits
+    in shared memory; the bin of the k-th key bounds the candidates: the keys in it and above. When they are
+    at most _RANK_MAX (the usual case: one bin is 1/8 of an octave of scores) a second pass collects them
+    and each is ranked by counting. Otherwise (a crowded bin, e.g. many equal scores, or
+    topk > _RANK_MAX) a radix select over the row finds the k winners first. Winners go to
+    selected_page_ids / selected_scores best first, padded with -1 / -inf."""
     NT = _RADIX
     NW = NT // 32
+    BPT = _HIST_BINS // NT  # histogram bins per thread
+    n_comp = -(-max(topk, _RANK_MAX) // NT) * NT
     idx_top = (1 << _IDX_BITS) - 1
-    batch, max_pages, n_cands = T.dynamic("batch, max_pages, n_cands")
+    batch, max_pages = T.dynamic("batch, max_pages")
+
+    def composite(key, page):
+        """(key, smaller page first) as one unsigned order; > 0 for every candidate (key != 0)."""
+        return (T.cast(key, "uint64") << _IDX_BITS) | T.cast(idx_top - page, "uint64")
+
+    def page_of(it, e, tx):
+        """Logical page of key e of a thread's batch it: a batch's loads cover NT consecutive pages each."""
+        return (it * _KEY_BATCH + e) * NT + tx
+
+    def bin_of(key):
+        return T.cast(key >> _u32(32 - _HIST_BITS), "int32")
 
     @T.macro
-    def load_batch(keys, cand_pages, kbuf, pbuf, b, h, start, n, it, tx):
-        """kbuf[e], pbuf[e] = key and logical page of position (it * _KEY_BATCH + e) * NT + tx of the row
-        keys[b, h, start:start + n] (key 0 past n); the page is cand_pages' entry, else the position. The
-        loads are issued together, not one per round trip."""
+    def load_batch(keys, kbuf, b, h, n, it, tx):
+        """kbuf[e] = key of logical page page_of(it, e, tx) of the row keys[b, h, :n] (0 past n). The loads are
+        issued together, not one per round trip."""
         for e in T.unroll(_KEY_BATCH):
-            j = (it * _KEY_BATCH + e) * NT + tx
-            kbuf[e] = T.if_then_else(j < n, keys[b, h, start + j], _u32(0))
-            if cand_pages is None:
-                pbuf[e] = start + j
-            else:
-                pbuf[e] = T.if_then_else(j < n, cand_pages[b, h, start + j], 0)
+            kbuf[e] = T.if_then_else(page_of(it, e, tx) < n, keys[b, h, page_of(it, e, tx)], _u32(0))
 
     @T.macro
-    def select(keys, cand_pages, b, h, start, n, win_key, win_page, k_eff):
+    def suffix_scan(value, suffix, warp_sum):
+        """suffix[t] = sum of the threads' values over t..NT-1, suffix[NT] = 0: a shuffle scan inside each warp,
+        then the warps' totals (two barriers, where a block-wide Hillis-Steele scan takes two per step)."""
+        tx = T.get_thread_binding()
+        acc = T.alloc_var("int32")
+        acc = value
+        for k in T.unroll(5):
+            down = T.shfl_down(acc, 1 << k)
+            acc += T.if_then_else(tx % 32 + (1 << k) < 32, down, 0)
+        if tx % 32 == 0:
+            warp_sum[tx // 32] = acc
+        T.sync_threads()
+        for w in T.unroll(1, NW):
+            acc += T.if_then_else(tx // 32 + w < NW, warp_sum[T.min(tx // 32 + w, NW - 1)], 0)
+        suffix[tx] = acc
+        if tx == 0:
+            suffix[NT] = 0
+        T.sync_threads()
+
+    @T.macro
+    def select(keys, b, h, n, k_eff, comp, suffix, warp_sum):
         """Radix select over the 56-bit key (score key, idx_top - logical page): 8-bit digits, one shared
-        histogram per digit, stopping as soon as the k-th key's digits are settled (the page digits only
-        matter on exact score ties). The winners go to win_key / win_page unordered; k_eff[0] = their count."""
+        histogram per digit, stopping as soon as the k_eff-th key's digits are settled (the page digits only
+        matter on exact score ties). The k_eff winners go to comp[:k_eff] as composites, unordered."""
         tx = T.get_thread_binding()
         hist = T.alloc_shared((NT,), "int32")
-        suffix = T.alloc_shared((NT + 1,), "int32")
-        warp_sum = T.alloc_shared((NW,), "int32")
         # 0: chosen digit, 1: rank still to fill inside the chosen bin, 2: winners written
         state = T.alloc_shared((3,), "int32")
         kbuf = T.alloc_local((_KEY_BATCH,), "uint32")
-        pbuf = T.alloc_local((_KEY_BATCH,), "int32")
         # Settled high digits of the k-th key: score key (pu, mu), then page key (pr, mr).
         pu = T.alloc_var("uint32", _u32(0))
         mu = T.alloc_var("uint32", _u32(0))
         pr = T.alloc_var("uint32", _u32(0))
         mr = T.alloc_var("uint32", _u32(0))
-        need = T.alloc_var("int32", topk)  # rank of the k-th key among keys matching the prefix
+        need = T.alloc_var("int32")  # rank of the k-th key among keys matching the prefix
+        need = k_eff
         done = T.alloc_var("int32", 0)
-        acc = T.alloc_var("int32")
         n_batches = T.ceildiv(n, NT * _KEY_BATCH)
-        k_eff[0] = topk
 
         for p in T.serial(4 + _IDX_BITS // 8):
             if done == 0:
@@ -310,34 +331,18 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
                 hist[tx] = 0
                 T.sync_threads()
                 for it in T.serial(n_batches):
-                    load_batch(keys, cand_pages, kbuf, pbuf, b, h, start, n, it, tx)
+                    load_batch(keys, kbuf, b, h, n, it, tx)
                     for e in T.unroll(_KEY_BATCH):
                         u = kbuf[e]
-                        r = T.cast(idx_top - pbuf[e], "uint32")
+                        r = T.cast(idx_top - page_of(it, e, tx), "uint32")
                         if u != _u32(0) and (u & mu) == pu and (r & mr) == pr:
                             digit = T.if_then_else(on_score, u >> T.cast(shift, "uint32"),
                                                    r >> T.cast(shift, "uint32")) & _u32(0xFF)
                             T.atomic_add(hist[T.cast(digit, "int32")], 1)
                 T.sync_threads()
-                # suffix[t] = sum of hist[t:]: a shuffle scan inside each warp, then the warps' totals
-                # (two barriers, where a block-wide Hillis-Steele scan takes two per step).
-                acc = hist[tx]
-                for k in T.unroll(5):
-                    down = T.shfl_down(acc, 1 << k)
-                    acc += T.if_then_else(tx % 32 + (1 << k) < 32, down, 0)
-                if tx % 32 == 0:
-                    warp_sum[tx // 32] = acc
-                T.sync_threads()
-                for w in T.unroll(1, NW):
-                    acc += T.if_then_else(tx // 32 + w < NW, warp_sum[T.min(tx // 32 + w, NW - 1)], 0)
-                suffix[tx] = acc
-                if tx == 0:
-                    suffix[NT] = 0
-                T.sync_threads()
-                if p == 0 and suffix[0] <= topk:
-                    # No more candidates than topk: all of them win, no digit to settle.
-                    k_eff[0] = suffix[0]
-                    done = 1
+                suffix_scan(hist[tx], suffix, warp_sum)
+                if p == 0 and suffix[0] <= need:
+                    done = 1  # every candidate wins: no digit to settle
                 else:
                     if suffix[tx] >= need and suffix[tx + 1] < need:
                         state[0] = tx
@@ -361,127 +366,116 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
             state[2] = 0
         T.sync_threads()
         for it in T.serial(n_batches):
-            load_batch(keys, cand_pages, kbuf, pbuf, b, h, start, n, it, tx)
+            load_batch(keys, kbuf, b, h, n, it, tx)
             for e in T.unroll(_KEY_BATCH):
                 u = kbuf[e]
-                r = T.cast(idx_top - pbuf[e], "uint32")
+                j = page_of(it, e, tx)
+                r = T.cast(idx_top - j, "uint32")
                 if u != _u32(0) and ((u & mu) > pu or ((u & mu) == pu and (r & mr) >= pr)):
                     slot = T.atomic_add(state[2], 1, return_prev=True)
                     # Stored as atomics: TileLang's sync planner then sees no hazard against the counter's
                     # atomic and puts no barrier here. It would keep one inside this branch (its condition
                     # reads only thread-local values, which it takes for block-uniform) and the CTA would
                     # hang there: the threads without a winner never reach it.
-                    if slot < topk:
-                        T.atomic_store(win_key[slot], u, memory_order="relaxed")
-                        T.atomic_store(win_page[slot], pbuf[e], memory_order="relaxed")
+                    if slot < k_eff:
+                        T.atomic_store(comp[slot], composite(u, j), memory_order="relaxed")
         T.sync_threads()
 
     @T.macro
-    def write_ranked(win_key, win_page, k_eff, page_table, b, h, selected_page_ids, selected_scores):
-        """Winner i goes to its rank by the same order; slots past the winners get -1 / -inf."""
+    def write_ranked(comp, n, k_eff, page_table, b, h, selected_page_ids, selected_scores):
+        """comp[:n] holds candidates (zeros after them); the one of rank i < k_eff in their order goes to slot
+        i, slots k_eff..topk-1 get -1 / -inf. A rank is the number of candidates before it, counted in one
+        pass over shared memory."""
         tx = T.get_thread_binding()
+        mine = T.alloc_var("uint64")
         rank = T.alloc_var("int32")
         for it in T.serial(T.ceildiv(topk, NT)):
             i = it * NT + tx
-            if i < k_eff[0]:
-                rank = 0
-                for m in T.serial(k_eff[0]):
-                    if win_key[m] > win_key[i] or (win_key[m] == win_key[i] and win_page[m] < win_page[i]):
-                        rank += 1
-                selected_page_ids[b, h, rank] = page_table[b, win_page[i]]
-                selected_scores[b, h, rank] = _key_to_score(win_key[i])
-            elif i < topk:
+            if i >= k_eff and i < topk:
                 selected_page_ids[b, h, i] = -1
                 selected_scores[b, h, i] = -T.infinity("float32")
-
-    @T.macro
-    def rank_select(cand_keys, cand_pages, page_table, b, h, n, selected_page_ids, selected_scores):
-        """Top-k of n <= _RANK_MAX candidates by counting, for the short rows of the merge stage (each
-        radix pass costs a global round trip and four barriers): a candidate's rank is the number of
-        candidates before it in the (key, smaller page) order, and rank < topk goes straight to its slot.
-        Slots are first filled with -1 / -inf, so those past the candidates stay padded."""
-        tx = T.get_thread_binding()
-        comp = T.alloc_shared((_RANK_MAX,), "uint64")  # key << _IDX_BITS | (idx_top - page); 0: none
-        rank = T.alloc_var("int32")
-        for i in T.unroll(_RANK_MAX // NT):
-            idx = i * NT + tx
-            comp[idx] = T.if_then_else(
-                idx < n, (T.cast(cand_keys[b, h, T.min(idx, n - 1)], "uint64") << _IDX_BITS)
-                | T.cast(idx_top - cand_pages[b, h, T.min(idx, n - 1)], "uint64"), T.uint64(0))
-        for it in T.serial(T.ceildiv(topk, NT)):
-            if it * NT + tx < topk:
-                selected_page_ids[b, h, it * NT + tx] = -1
-                selected_scores[b, h, it * NT + tx] = -T.infinity("float32")
-        T.sync_threads()
-        for i in T.unroll(_RANK_MAX // NT):
-            mine = comp[i * NT + tx]
-            if mine >> _IDX_BITS != T.uint64(0):
+        for it in T.serial(T.ceildiv(n, NT)):
+            if it * NT + tx < n:
+                mine = comp[it * NT + tx]
                 rank = 0
-                # Zero padding past n never outranks a candidate: no bound check in the unrolled loop.
+                # Zeros past n never outrank a candidate: no bound check in the unrolled loop.
                 for m0 in T.serial(T.ceildiv(n, _RANK_UNROLL)):
                     for mm in T.unroll(_RANK_UNROLL):
                         rank += T.if_then_else(comp[m0 * _RANK_UNROLL + mm] > mine, 1, 0)
-                if rank < topk:
+                if rank < k_eff:
                     page = idx_top - T.cast(mine & T.uint64(idx_top), "int32")
                     selected_page_ids[b, h, rank] = page_table[b, page]
                     selected_scores[b, h, rank] = _key_to_score(T.cast(mine >> _IDX_BITS, "uint32"))
 
-    def n_cand_of(seq_lens, b):
-        return _first_local(seq_lens[b], page_size, window_size) // page_size
-
-    if stage == "full":
-        @T.prim_func
-        def hsa_topk(keys: T.Tensor((batch, num_kv_heads, max_pages), "uint32"),
-                     page_table: T.Tensor((batch, max_pages), "int32"),
-                     seq_lens: T.Tensor((batch,), "int32"),
-                     selected_page_ids: T.Tensor((batch, num_kv_heads, topk), "int32"),
-                     selected_scores: T.Tensor((batch, num_kv_heads, topk), "float32")):
-            with T.Kernel(num_kv_heads, batch, threads=NT) as (h, b):
-                win_key = T.alloc_shared((topk,), "uint32")
-                win_page = T.alloc_shared((topk,), "int32")
-                k_eff = T.alloc_local((1,), "int32")
-                select(keys, None, b, h, 0, n_cand_of(seq_lens, b), win_key, win_page, k_eff)
-                write_ranked(win_key, win_page, k_eff, page_table, b, h, selected_page_ids, selected_scores)
-
-    elif stage == "segment":
-        @T.prim_func
-        def hsa_topk(keys: T.Tensor((batch, num_kv_heads, max_pages), "uint32"),
-                     seq_lens: T.Tensor((batch,), "int32"),
-                     cand_keys: T.Tensor((batch, num_kv_heads, n_cands), "uint32"),
-                     cand_pages: T.Tensor((batch, num_kv_heads, n_cands), "int32")):
-            with T.Kernel(T.ceildiv(max_pages, segment), num_kv_heads, batch, threads=NT) as (s, h, b):
-                tx = T.get_thread_binding()
-                win_key = T.alloc_shared((topk,), "uint32")
-                win_page = T.alloc_shared((topk,), "int32")
-                k_eff = T.alloc_local((1,), "int32")
-                start = s * segment
-                select(keys, None, b, h, start, T.clamp(n_cand_of(seq_lens, b) - start, 0, segment),
-                       win_key, win_page, k_eff)
-                for it in T.serial(T.ceildiv(topk, NT)):
-                    i = it * NT + tx
-                    if i < topk:
-                        cand_keys[b, h, s * topk + i] = T.if_then_else(i < k_eff[0], win_key[i], _u32(0))
-                        cand_pages[b, h, s * topk + i] = T.if_then_else(i < k_eff[0], win_page[i], 0)
-
-    else:
-        @T.prim_func
-        def hsa_topk(cand_keys: T.Tensor((batch, num_kv_heads, n_cands), "uint32"),
-                     cand_pages: T.Tensor((batch, num_kv_heads, n_cands), "int32"),
-                     page_table: T.Tensor((batch, max_pages), "int32"),
-                     seq_lens: T.Tensor((batch,), "int32"),
-                     selected_page_ids: T.Tensor((batch, num_kv_heads, topk), "int32"),
-                     selected_scores: T.Tensor((batch, num_kv_heads, topk), "float32")):
-            with T.Kernel(num_kv_heads, batch, threads=NT) as (h, b):
-                win_key = T.alloc_shared((topk,), "uint32")
-                win_page = T.alloc_shared((topk,), "int32")
-                k_eff = T.alloc_local((1,), "int32")
-                # Only the segments that hold candidates of this request.
-                n = T.min(n_cands, T.ceildiv(n_cand_of(seq_lens, b), segment) * topk)
-                if n <= _RANK_MAX:
-                    rank_select(cand_keys, cand_pages, page_table, b, h, n, selected_page_ids, selected_scores)
-                else:
-                    select(cand_keys, cand_pages, b, h, 0, n, win_key, win_page, k_eff)
-                    write_ranked(win_key, win_page, k_eff, page_table, b, h, selected_page_ids, selected_scores)
+    @T.prim_func
+    def hsa_topk(keys: T.Tensor((batch, num_kv_heads, max_pages), "uint32"),
+                 page_table: T.Tensor((batch, max_pages), "int32"),
+                 seq_lens: T.Tensor((batch,), "int32"),
+                 selected_page_ids: T.Tensor((batch, num_kv_heads, topk), "int32"),
+                 selected_scores: T.Tensor((batch, num_kv_heads, topk), "float32")):
+        with T.Kernel(num_kv_heads, batch, threads=NT) as (h, b):
+            tx = T.get_thread_binding()
+            comp = T.alloc_shared((n_comp,), "uint64")
+            key_hist = T.alloc_shared((_HIST_BINS,), "int32")
+            suffix = T.alloc_shared((NT + 1,), "int32")
+            warp_sum = T.alloc_shared((NW,), "int32")
+            cut = T.alloc_shared((2,), "int32")  # the bin of the k-th key, and the keys in it and above
+            filled = T.alloc_shared((1,), "int32")  # candidates collected
+            counts = T.alloc_local((BPT,), "int32")
+            kbuf = T.alloc_local((_KEY_BATCH,), "uint32")
+            acc = T.alloc_var("int32", 0)
+            k_eff = T.alloc_var("int32")
+            thr = T.alloc_var("int32")  # cut[0] in a register: reading the shared copy between the
+            # collecting threads' atomics would make TileLang put a barrier before each key
+            n = _first_local(seq_lens[b], page_size, window_size) // page_size
+            for i in T.unroll(n_comp // NT):
+                comp[i * NT + tx] = T.uint64(0)
+            for i in T.unroll(BPT):
+                key_hist[i * NT + tx] = 0
+            T.sync_threads()
+            for it in T.serial(T.ceildiv(n, NT * _KEY_BATCH)):
+                load_batch(keys, kbuf, b, h, n, it, tx)
+                for e in T.unroll(_KEY_BATCH):
+                    if kbuf[e] != _u32(0):
+                        T.atomic_add(key_hist[bin_of(kbuf[e])], 1)
+            T.sync_threads()
+            for v in T.vectorized(BPT):
+                counts[v] = key_hist[tx * BPT + v]
+            # TileLang lays the buffers below over the histogram (its last read is above): no write before
+            # every thread has read its bins.
+            T.sync_threads()
+            for v in T.unroll(BPT):
+                acc += counts[v]
+            if tx == 0:
+                cut[0] = _HIST_BINS  # no candidates: no bin qualifies
+                cut[1] = 0
+                filled[0] = 0
+            suffix_scan(acc, suffix, warp_sum)
+            k_eff = T.min(topk, suffix[0])
+            # The one thread whose bins hold the k-th key (counting from the top) finds its bin.
+            if suffix[tx] >= k_eff and suffix[tx + 1] < k_eff:
+                acc = suffix[tx + 1]
+                for v in T.unroll(BPT):
+                    if acc < k_eff and acc + counts[BPT - 1 - v] >= k_eff:
+                        cut[0] = tx * BPT + BPT - 1 - v
+                        cut[1] = acc + counts[BPT - 1 - v]
+                    acc += counts[BPT - 1 - v]
+            T.sync_threads()
+            thr = cut[0]
+            if cut[1] <= _RANK_MAX:
+                for it in T.serial(T.ceildiv(n, NT * _KEY_BATCH)):
+                    load_batch(keys, kbuf, b, h, n, it, tx)
+                    for e in T.unroll(_KEY_BATCH):
+                        u = kbuf[e]
+                        if u != _u32(0) and bin_of(u) >= thr:
+                            slot = T.atomic_add(filled[0], 1, return_prev=True)
+                            if slot < n_comp:  # always: the histogram counted these keys
+                                T.atomic_store(comp[slot], composite(u, page_of(it, e, tx)), memory_order="relaxed")
+                T.sync_threads()
+                write_ranked(comp, cut[1], k_eff, page_table, b, h, selected_page_ids, selected_scores)
+            else:
+                select(keys, b, h, n, k_eff, comp, suffix, warp_sum)
+                write_ranked(comp, k_eff, k_eff, page_table, b, h, selected_page_ids, selected_scores)
 
     return hsa_topk
 
@@ -706,7 +700,7 @@ class HSADecodeTileLang:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, topk: int,
                  dtype: torch.dtype, selection_strategy: str = "group", window_size: int = 0,
                  combine: str = "softmax", scale: float | None = None, config: dict | None = None,
-                 score_config: dict | None = None, topk_config: dict | None = None):
+                 score_config: dict | None = None):
         check_int("num_heads", num_heads, lo=1)
         check_int("num_kv_heads", num_kv_heads, lo=1)
         if num_heads % num_kv_heads:
@@ -731,20 +725,12 @@ class HSADecodeTileLang:
         self.config = resolve_config(self.op_name, self.spec, config, self.DEFAULT_CONFIG)
         check_int("config['split_overhead']", self.config["split_overhead"], lo=0)
         self.decode_ctas_per_sm = max(1, min(_DECODE_CTAS_PER_SM, _SM_SMEM // (_decode_smem(page_size, head_dim) + 1024)))
-        self.topk_config = {"segment": 2048, **(topk_config or {})}
-        if set(self.topk_config) != {"segment"}:
-            raise ValueError(f"topk_config: unknown keys {sorted(set(self.topk_config) - {'segment'})}, "
-                             f"expected a subset of ['segment']")
-        check_int("topk_config['segment']", self.topk_config["segment"], lo=_RADIX, multiple_of=_RADIX)
         sp = self.spec
         score_config = score_config or {}
         self.score_kernel = compile_kernel(hsa_score_kernel(
             num_heads, num_kv_heads, head_dim, page_size, sp["dtype"], selection_strategy, window_size, sp["scale"],
             **score_config))
-        # Rows of up to `segment` keys: one CTA each; longer rows: top-k per segment, then of the segments'.
-        self.topk_kernel, self.topk_segment_kernel, self.topk_merge_kernel = (
-            compile_kernel(hsa_topk_kernel(num_kv_heads, page_size, topk, window_size, stage, **self.topk_config))
-            for stage in ("full", "segment", "merge"))
+        self.topk_kernel = compile_kernel(hsa_topk_kernel(num_kv_heads, page_size, topk, window_size))
         # Without warp specialization: every warp computes (the products split N over all of them).
         self.decode_kernel = compile_kernel(hsa_decode_kernel(**sp),
                                             pass_configs={"tl.disable_warp_specialized": True})
@@ -808,19 +794,11 @@ class HSADecodeTileLang:
         B, Hkv, k = q.shape[0], self.spec["num_kv_heads"], self.spec["topk"]
         valid = self._valid(repr_valid, chunk_repr.shape[0], q.device)
         # Allocated as int32: torch has few uint32 kernels (fills included).
-        max_pages, segment = page_table.shape[1], self.topk_config["segment"]
-        keys = torch.empty(B, Hkv, max_pages, dtype=torch.int32, device=q.device).view(torch.uint32)
+        keys = torch.empty(B, Hkv, page_table.shape[1], dtype=torch.int32, device=q.device).view(torch.uint32)
         ids = torch.empty(B, Hkv, k, dtype=torch.int32, device=q.device)
         scores = torch.empty(B, Hkv, k, dtype=torch.float32, device=q.device)
         self.score_kernel(q, page_table, seq_lens, chunk_repr, valid, keys)
-        if max_pages <= segment:
-            self.topk_kernel(keys, page_table, seq_lens, ids, scores)
-        else:
-            n_cands = -(-max_pages // segment) * k
-            cand_keys = torch.empty(B, Hkv, n_cands, dtype=torch.int32, device=q.device).view(torch.uint32)
-            cand_pages = torch.empty(B, Hkv, n_cands, dtype=torch.int32, device=q.device)
-            self.topk_segment_kernel(keys, seq_lens, cand_keys, cand_pages)
-            self.topk_merge_kernel(cand_keys, cand_pages, page_table, seq_lens, ids, scores)
+        self.topk_kernel(keys, page_table, seq_lens, ids, scores)
         return ids, scores
 
     def _check_decode(self, q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid,

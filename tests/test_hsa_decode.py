@@ -176,11 +176,11 @@ def test_golden_page_repr(mode):
 
 # ----------------------------------------------------------------------------- validation
 # Each dtype, head dim, page size, G in {1, 4, 8, 16}, strategy and combine mode at least once; more
-# decode splits, a short top-k segment, and a score kernel with more loads in flight.
+# decode splits, and a score kernel with more loads in flight.
 COMPILE_SPECS = [
     dict(num_heads=4, num_kv_heads=4, head_dim=64, page_size=16, topk=8, dtype=torch.float16,
          selection_strategy="group", window_size=0, combine="softmax",
-         config={"split_overhead": 0}, topk_config={"segment": 256}),
+         config={"split_overhead": 0}),
     dict(num_heads=16, num_kv_heads=4, head_dim=128, page_size=32, topk=16, dtype=torch.bfloat16,
          selection_strategy="head", window_size=100, combine="token",
          score_config={"unroll": 8, "blocks_per_sm": 3}),
@@ -208,8 +208,6 @@ GOOD = dict(num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, topk=4, dtyp
     (dict(scale=0.0), ValueError, "scale"),
     (dict(config={"split_overhead": -1}), ValueError, "split_overhead"),
     (dict(config={"block": 4}), ValueError, "unknown keys"),
-    (dict(topk_config={"segment": 300}), ValueError, "segment"),
-    (dict(topk_config={"seg": 256}), ValueError, "unknown keys"),
 ])
 def test_constructor_rejects(change, err, match):
     with pytest.raises(err, match=match):
@@ -278,13 +276,14 @@ def test_value_checks(small_op):
                          f"G{s['num_heads'] // s['num_kv_heads']}")
 def test_compiles_for_sm90a(spec):
     op = HSADecodeTileLang(**spec)
-    for k in (op.score_kernel, op.topk_kernel, op.topk_segment_kernel, op.topk_merge_kernel, op.decode_kernel,
-              op.combine_kernel):
+    for k in (op.score_kernel, op.topk_kernel, op.decode_kernel, op.combine_kernel):
         assert "__global__" in k.get_kernel_source()
-    for k in (op.topk_kernel, op.topk_segment_kernel, op.topk_merge_kernel):
-        # The winners' scatter runs in a branch only the winning threads take: a barrier there hangs the CTA.
-        src = k.get_kernel_source()
-        scatter = src[src.index("AtomicAddRet("):src.rindex("AtomicStore(")]
+    # The top-k's two scatters (candidates above the histogram's cut, the radix select's winners) run in
+    # branches only some threads take: a barrier there hangs the CTA.
+    scatters = op.topk_kernel.get_kernel_source().split("AtomicAddRet(")[1:]
+    assert len(scatters) == 2
+    for scatter in scatters:
+        scatter = scatter[:scatter.rindex("AtomicStore(")]
         assert "__syncthreads" not in scatter and "bar.sync" not in scatter
 
 

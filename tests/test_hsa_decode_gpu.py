@@ -25,12 +25,12 @@ SPECS = {
     # many short decode splits (empty ones past a request's items)
     "splits": dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=64, topk=64, dtype=torch.bfloat16,
                    selection_strategy="group", window_size=512, combine="softmax", config={"split_overhead": 0}),
-    # rows longer than the top-k segment: two-stage selection (segment top-k, then merge)
-    "seg": dict(num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, topk=40, dtype=torch.float16,
-                selection_strategy="group", window_size=32, combine="softmax", topk_config={"segment": 256}),
-    # more segment winners than the merge ranks by counting (> 512): the merge runs radix passes
-    "segr": dict(num_heads=4, num_kv_heads=2, head_dim=64, page_size=16, topk=128, dtype=torch.bfloat16,
-                 selection_strategy="head", window_size=16, combine="token", topk_config={"segment": 256}),
+    # rows of many key batches for the top-k (2048 keys a batch)
+    "long": dict(num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, topk=40, dtype=torch.float16,
+                 selection_strategy="group", window_size=32, combine="softmax"),
+    # topk past what the top-k ranks by counting (512): rows of more candidates take the radix select
+    "wide": dict(num_heads=4, num_kv_heads=2, head_dim=64, page_size=16, topk=600, dtype=torch.bfloat16,
+                 selection_strategy="head", window_size=16, combine="token"),
 }
 # Ragged lengths: 1 token, page boundaries, no candidates, candidates fewer / more than topk.
 SEQ_LENS = {
@@ -40,8 +40,8 @@ SEQ_LENS = {
     "d256": [129, 128, 1100, 700],
     "g4": [33, 640, 2000, 5],
     "splits": [1, 64, 65, 700, 4160, 20000, 9001],
-    "seg": [1, 300, 4100, 20000, 4112, 9000],  # 1..1248 candidates: up to 5 segments, some with none
-    "segr": [40000, 3000, 1, 9000],  # 2499 candidates: 10 segments, 1280 merge candidates
+    "long": [1, 300, 4100, 20000, 4112, 9000],  # 0..1248 candidates
+    "wide": [40000, 3000, 1, 9000],  # 2499, 186, 0 and 561 candidates
 }
 _OPS = {}
 # Output tolerances (inputs are rounded to the dtype, P is rounded to it before the PV product).
@@ -112,9 +112,10 @@ def test_ties_go_to_smaller_logical_page():
     assert (ids_ref[2, :, :16] == inputs["page_table"][2, :16]).all()  # 2000 tokens: 62 candidates
 
 
-@pytest.mark.parametrize("name,row", [("seg", 3), ("segr", 0)])  # merge by counting / by radix passes
-def test_ties_go_to_smaller_logical_page_two_stage(name, row):
-    """Equal scores across segments: each segment keeps its smallest pages, the merge the smallest of those."""
+@pytest.mark.parametrize("name,row", [("long", 4), ("long", 3), ("wide", 0)])
+def test_ties_go_to_smaller_logical_page_crowded_bin(name, row):
+    """Every score equal, so one histogram bin holds every candidate: ranked by counting (255 candidates) or,
+    past 512, by the radix select (1248 candidates; 2499 with topk 600)."""
     op, inputs = get_op(name), make_case(name, seed=4, invalid_frac=0.0)
     inputs["chunk_repr"][:] = inputs["chunk_repr"][0]
     ids, _ = op.select(inputs["q"], inputs["page_table"], inputs["seq_lens"], inputs["chunk_repr"])
@@ -124,10 +125,9 @@ def test_ties_go_to_smaller_logical_page_two_stage(name, row):
     assert (ids_ref[row, :, :k] == inputs["page_table"][row, :k]).all()
 
 
-def test_bench_rows_past_one_segment(poisoned):
-    """The bench spec with a request of more candidate pages than one top-k segment (2048): two stages."""
+def test_bench_long_rows(poisoned):
+    """The bench spec with requests of more candidate pages than one batch of the top-k's keys (2048)."""
     op, inputs = get_op("bench"), make_case("bench", seed=11, seq_lens=[140000, 700, 131647])
-    assert inputs["page_table"].shape[1] > op.topk_config["segment"]
     with poisoned():
         ids, scores = op.select(inputs["q"], inputs["page_table"], inputs["seq_lens"], inputs["chunk_repr"],
                                 inputs["repr_valid"])
