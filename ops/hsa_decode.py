@@ -277,6 +277,18 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
     def bin_of(key):
         return T.cast(key >> _u32(32 - _HIST_BITS), "int32")
 
+    # What `scatter` collects, as wins(key, logical page): the keys in histogram bin thr and above, or (the radix
+    # select's winners) the keys at or above the k-th key's settled digits, score digits (pu, mu) then page
+    # digits (pr, mr).
+    def from_bin(thr):
+        return lambda key, page: bin_of(key) >= thr
+
+    def at_or_above(pu, mu, pr, mr):
+        def wins(key, page):
+            r = T.cast(idx_top - page, "uint32")
+            return T.Or((key & mu) > pu, T.And((key & mu) == pu, (r & mr) >= pr))
+        return wins
+
     @T.macro
     def load_batch(keys, kbuf, b, h, n, it, tx):
         """kbuf[e] = key of logical page page_of(it, e, tx) of the row keys[b, h, :n] (0 past n). The loads are
@@ -302,6 +314,25 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
         suffix[tx] = acc
         if tx == 0:
             suffix[NT] = 0
+        T.sync_threads()
+
+    @T.macro
+    def scatter(keys, b, h, n, wins, counter, ci, limit, comp):
+        """comp[slot] = composite of every key of the row keys[b, h, :n] for which wins(key, logical page) holds,
+        in the order the threads claim slots (< limit) from the shared counter[ci]; a barrier follows."""
+        tx = T.get_thread_binding()
+        kbuf = T.alloc_local((_KEY_BATCH,), "uint32")
+        for it in T.serial(T.ceildiv(n, NT * _KEY_BATCH)):
+            load_batch(keys, kbuf, b, h, n, it, tx)
+            for e in T.unroll(_KEY_BATCH):
+                if kbuf[e] != _u32(0) and wins(kbuf[e], page_of(it, e, tx)):
+                    slot = T.atomic_add(counter[ci], 1, return_prev=True)
+                    # Stored as atomics: TileLang's sync planner then sees no hazard against the counter's
+                    # atomic and puts no barrier here. It would keep one inside this branch (its condition
+                    # reads only thread-local values, which it takes for block-uniform) and the CTA would
+                    # hang there: the threads without a winner never reach it.
+                    if slot < limit:
+                        T.atomic_store(comp[slot], composite(kbuf[e], page_of(it, e, tx)), memory_order="relaxed")
         T.sync_threads()
 
     @T.macro
@@ -365,21 +396,7 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
         if tx == 0:
             state[2] = 0
         T.sync_threads()
-        for it in T.serial(n_batches):
-            load_batch(keys, kbuf, b, h, n, it, tx)
-            for e in T.unroll(_KEY_BATCH):
-                u = kbuf[e]
-                j = page_of(it, e, tx)
-                r = T.cast(idx_top - j, "uint32")
-                if u != _u32(0) and ((u & mu) > pu or ((u & mu) == pu and (r & mr) >= pr)):
-                    slot = T.atomic_add(state[2], 1, return_prev=True)
-                    # Stored as atomics: TileLang's sync planner then sees no hazard against the counter's
-                    # atomic and puts no barrier here. It would keep one inside this branch (its condition
-                    # reads only thread-local values, which it takes for block-uniform) and the CTA would
-                    # hang there: the threads without a winner never reach it.
-                    if slot < k_eff:
-                        T.atomic_store(comp[slot], composite(u, j), memory_order="relaxed")
-        T.sync_threads()
+        scatter(keys, b, h, n, at_or_above(pu, mu, pr, mr), state, 2, k_eff, comp)
 
     @T.macro
     def write_ranked(comp, n, k_eff, page_table, b, h, selected_page_ids, selected_scores):
@@ -463,15 +480,8 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
             T.sync_threads()
             thr = cut[0]
             if cut[1] <= _RANK_MAX:
-                for it in T.serial(T.ceildiv(n, NT * _KEY_BATCH)):
-                    load_batch(keys, kbuf, b, h, n, it, tx)
-                    for e in T.unroll(_KEY_BATCH):
-                        u = kbuf[e]
-                        if u != _u32(0) and bin_of(u) >= thr:
-                            slot = T.atomic_add(filled[0], 1, return_prev=True)
-                            if slot < n_comp:  # always: the histogram counted these keys
-                                T.atomic_store(comp[slot], composite(u, page_of(it, e, tx)), memory_order="relaxed")
-                T.sync_threads()
+                # The bound always holds (the histogram counted these keys); it keeps the stores in comp.
+                scatter(keys, b, h, n, from_bin(thr), filled, 0, n_comp, comp)
                 write_ranked(comp, cut[1], k_eff, page_table, b, h, selected_page_ids, selected_scores)
             else:
                 select(keys, b, h, n, k_eff, comp, suffix, warp_sum)
