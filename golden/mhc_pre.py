@@ -29,8 +29,8 @@ def random_inputs(B: int, S: int, n: int, D: int, device="cpu", dtype=torch.bflo
 def mhc_forward_pre(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor,
                     rms_eps: float = 1e-6, hc_eps: float = 1e-6, return_aux: bool = False):
     """x [B,S,n,D], phi [n*n+2n, n*D], alpha [3], bias [n*n+2n] -> (h_in [B,S,D] in x's dtype,
-    h_post [B,S,n] fp32, h_res [B,S,n,n] fp32), plus (inv_rms [B,S], h_pre [B,S,n]) fp32 with
-    ``return_aux``. Computes in fp32 (fp64 if any input is fp64)."""
+    h_post [B,S,n] fp32, h_res [B,S,n,n] fp32), plus (inv_rms [B,S], h_pre [B,S,n], h_mix [B,S,n*n+2n])
+    with ``return_aux``. Computes in fp32 (fp64 if any input is fp64)."""
     B, S, n, D = x.shape
     acc = torch.float64 if torch.float64 in (x.dtype, phi.dtype) else torch.float32
     xf = x.to(acc).reshape(B, S, n * D)
@@ -43,5 +43,5 @@ def mhc_forward_pre(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bia
     h_res = (alpha[2] * scaled[..., 2 * n:] + bias[2 * n:]).reshape(B, S, n, n)
     h_in = (h_pre[..., None] * xf.reshape(B, S, n, D)).sum(dim=2).to(x.dtype)
     if return_aux:
-        return h_in, h_post, h_res, inv_rms, h_pre
+        return h_in, h_post, h_res, inv_rms, h_pre, h_mix
     return h_in, h_post, h_res

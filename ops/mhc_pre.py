@@ -96,6 +96,7 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
         HRes: T.Tensor((num_tokens, n * n), "float32"),
         InvRms: T.Tensor((num_tokens,), "float32"),
         HPre: T.Tensor((num_tokens, n), "float32"),
+        HMix: T.Tensor((num_tokens, N), "float32"),
         HIn: T.Tensor((num_tokens, D), "bfloat16"),  # written only with `apply`
     ):
         with T.Kernel(T.ceildiv(num_tokens, block_t), threads=threads) as bx:
@@ -138,6 +139,7 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
             for t, r in T.Parallel(block_t, NG):
                 if t0 + t < num_tokens and r < N:
                     inv_rms = T.rsqrt(sumsq_s[t] / (n * D) + rms_eps)
+                    HMix[t0 + t, r] = mix_s[t, r]
                     if r == 0:
                         InvRms[t0 + t] = inv_rms
                     if r < n:
@@ -216,6 +218,7 @@ def mhc_pre_fused_kernel(n: int, D: int, rms_eps: float, hc_eps: float, x_slots:
         HRes: T.Tensor((num_tokens, n * n), "float32"),
         InvRms: T.Tensor((num_tokens,), "float32"),
         HPre: T.Tensor((num_tokens, n), "float32"),
+        HMix: T.Tensor((num_tokens, N), "float32"),
         num_clusters: T.int32,
     ):
         num_tiles = T.ceildiv(num_tokens, block_t)
@@ -315,6 +318,8 @@ def mhc_pre_fused_kernel(n: int, D: int, rms_eps: float, hc_eps: float, x_slots:
                         if j < n:
                             hpre_own[g, j] = T.sigmoid(Alpha[0] * inv_rms * mix + Bias[j]) + hc_eps
                         if t < num_tokens:
+                            if j < N:
+                                HMix[t, j] = mix
                             if j == 0:
                                 InvRms[t] = inv_rms
                             if j < n:
@@ -399,8 +404,8 @@ class MHCForwardPreTileLang:
 
     x [B, S, n, D] bf16, phi [n*n+2n, n*D] fp32, alpha [3] fp32, bias [n*n+2n] fp32 (CUDA, contiguous).
     B and S are free at call time (one compiled kernel serves any number of tokens); n and D are fixed
-    at construction. ``return_aux=True`` also returns inv_rms [B, S] and h_pre [B, S, n] (fp32), which
-    the backward needs. The matmul runs on bf16 tensor cores with phi split into hi + lo bf16 parts.
+    at construction. ``return_aux=True`` also returns inv_rms [B, S], h_pre [B, S, n] and h_mix
+    [B, S, n*n+2n] (x @ phi^T before the inv_rms scale; fp32), which the backward needs. The matmul runs on bf16 tensor cores with phi split into hi + lo bf16 parts.
     Shapes where the single pass measured faster (`fused_fits`) run it (with the side kernel beside it at
     large token counts); the others run the two kernels.
     The config keys differ accordingly (`default_config`).
@@ -488,11 +493,12 @@ class MHCForwardPreTileLang:
 
     @staticmethod
     def _outputs(x):
-        """Empty h_in, h_post, h_res, inv_rms, h_pre for x's tokens (flattened)."""
+        """Empty h_in, h_post, h_res, inv_rms, h_pre, h_mix for x's tokens (flattened)."""
         B, S, n, D = x.shape
         f32 = dict(device=x.device, dtype=torch.float32)
         return (torch.empty(B * S, D, device=x.device, dtype=torch.bfloat16), torch.empty(B * S, n, **f32),
-                torch.empty(B * S, n * n, **f32), torch.empty(B * S, **f32), torch.empty(B * S, n, **f32))
+                torch.empty(B * S, n * n, **f32), torch.empty(B * S, **f32), torch.empty(B * S, n, **f32),
+                torch.empty(B * S, n * n + 2 * n, **f32))
 
     def _kernel_args(self, x, phi, alpha, bias, outs):
         """Arguments of the tunable kernel: the fused kernel takes all outputs and the cluster count, the mix
@@ -504,15 +510,16 @@ class MHCForwardPreTileLang:
         # One CTA per SM whatever its shared memory: 256 threads of up to 240 registers fill the file.
         return head + outs + (max_active_clusters(_CLUSTER, 256, _SMEM_BUDGET, x.device.index),)
 
-    def _launch_fused(self, x2, hi, lo, alpha, bias, h_in, h_post, h_res, inv_rms, h_pre, clusters):
+    def _launch_fused(self, x2, hi, lo, alpha, bias, *outs_and_clusters):
         """The single pass over the first tokens and the side kernel over the last ones (`side_tokens`), on
         the SMs that no cluster takes."""
+        *outs, clusters = outs_and_clusters
         tokens = x2.shape[0]
         side = side_tokens(tokens, sm_count(x2.device) - _CLUSTER * clusters)
         m = tokens - side
-        self._fused(x2[:m], hi, lo, alpha, bias, h_in[:m], h_post[:m], h_res[:m], inv_rms[:m], h_pre[:m], clusters)
-        if side:
-            self._side(x2[m:], hi, lo, alpha, bias, h_post[m:], h_res[m:], inv_rms[m:], h_pre[m:], h_in[m:])
+        self._fused(x2[:m], hi, lo, alpha, bias, *(o[:m] for o in outs), clusters)
+        if side:  # the mix kernel's order: h_in last
+            self._side(x2[m:], hi, lo, alpha, bias, *(o[m:] for o in outs[1:]), outs[0][m:])
 
     def tune_args(self, x, phi, alpha, bias):
         """Arguments of the tunable kernel (``tunable_kernel``) for these inputs."""
@@ -522,7 +529,7 @@ class MHCForwardPreTileLang:
     def __call__(self, x, phi, alpha, bias, return_aux: bool = False):
         self.check_inputs(x, phi, alpha, bias)
         B, S, n, D = x.shape
-        h_in, h_post, h_res, inv_rms, h_pre = outs = self._outputs(x)
+        h_in, h_post, h_res, inv_rms, h_pre, h_mix = outs = self._outputs(x)
         args = self._kernel_args(x, phi, alpha, bias, outs)
         if B * S:
             if self._fused is not None:
@@ -531,4 +538,4 @@ class MHCForwardPreTileLang:
                 self._mix(*args)
                 self._apply(args[0], h_pre, h_in)
         result = (h_in.view(B, S, D), h_post.view(B, S, n), h_res.view(B, S, n, n))
-        return result + (inv_rms.view(B, S), h_pre.view(B, S, n)) if return_aux else result
+        return result + (inv_rms.view(B, S), h_pre.view(B, S, n), h_mix.view(B, S, -1)) if return_aux else result

@@ -2,7 +2,15 @@
 
 The math (golden/mhc_pre_bwd.py): per token, the gradient of x first needs reductions over the whole
 token, p = g_in . x_i (n dots over D) and g_s = u . h_mix (u from p and the other output gradients),
-so the pass is split in two kernels:
+so x has to be seen twice. Two ways:
+
+One pass (`mhc_pre_bwd_one_pass`, n <= 4 where every (D-slice, token group) CTA fits the GPU at once):
+the grad role below, and in the same CTA a row role that owns whole token rows, reads them from memory a
+few tiles ahead, reduces their dots, turns them into the coefficients below (from the forward's saved
+h_mix, so no GEMM) and publishes them per tile; the grad roles of every slice wait for that count and
+re-read x and g_in from L2, so memory sees them once (docs/perf.md, twenty-fifth session).
+
+Two kernels (n = 6, 8, and D too wide for the one pass's resident grid):
 
 1. `stats` (one CTA per tile of tokens, streaming over D): recomputes h_mix = x @ phi^T with the tensor
    cores (phi as bf16 hi + lo parts, x exact in bf16, as the forward), the dots p, and from them per
@@ -12,10 +20,10 @@ so the pass is split in two kernels:
 2. `grad` (one CTA per D-slice and token group, streaming over tokens): grad_x = g_mix @ phi
    + c * x + h_pre (x) g_in from one read of the x and g_in tiles, and grad_phi^T += x^T @ g_mix on the
    same tiles (a GEMM whose K is the token dimension). phi's slice stays in shared memory for the whole
-   token stream; each CTA keeps its grad_phi slice in registers and writes it once. For n <= 4 this is
-   `mhc_pre_bwd_grad_ws` (one CTA per SM, a producer warp streaming whole token tiles by TMA three deep,
-   grad_x formed in place of the x tile and stored from there by TMA: 2.0-2.3x the pipelined kernel);
-   n = 6 and 8 keep `mhc_pre_bwd_grad` (TileLang's own pipeline), whose tiles the ring cannot hold.
+   token stream; each CTA keeps its grad_phi slice in registers and writes it once. The one pass's grad
+   role is this kernel warp-specialized: a producer warp streams whole token tiles by TMA three deep, grad_x
+   is formed in place of the x tile and stored from there by TMA (2.0-2.3x `mhc_pre_bwd_grad`, TileLang's
+   own pipeline, which the two kernels use).
 
 Every tile of the pipelined loops is one whole shared buffer loaded by one bulk (TMA) copy from a 2D
 view (x as [tokens, n*D]), so TileLang's warp-specialized producer prefetches it, guarded by that
@@ -31,8 +39,9 @@ that release while shared loads of the tile are still in flight if their values 
 (the next tile's TMA write then overtakes them: wrong values, timing-dependent; see docs/perf.md). So
 the stats kernel's register-only readers of its tiles (the dots) end in a proxy fence
 (`fence.proxy.async`: generic-proxy accesses ordered before later async-proxy ones, such as the next
-tile's TMA write) placed before every release, and the pipelined grad kernel's epilogue ends in stores
-(the warp-specialized one hands a stage back only after a barrier and its TMA stores' reads).
+tile's TMA write) placed before every release, as do the one pass's dot warps; the pipelined grad kernel's
+epilogue ends in stores (the one pass's grad role hands a stage back only after a barrier and its TMA
+stores' reads).
 
 Token reductions (grad_phi over token groups, grad_bias, grad_alpha over tokens) are sums of per-CTA /
 per-token partials in a fixed order: bitwise reproducible, no float atomics.
@@ -260,30 +269,57 @@ def mhc_pre_bwd_grad_kernel(n: int, D: int, has_g_in: bool = True, token_groups:
     return mhc_pre_bwd_grad
 
 
-_WS_BLOCK_D = 64  # bf16 columns per stream in the warp-specialized grad kernel: one 128-byte swizzle band
-_WS_THREADS = 384  # two consumer warpgroups + a producer warpgroup (one warp of it issues the loads)
+_OP_BLOCK = 64  # tokens per tile and bf16 columns per stream of a D-slice (one 128-byte swizzle band)
+_OP_THREADS = 512  # two consumer warpgroups; warps 8 (grad loads), 9 (row loads), 10-11 (dots), 12-15 (coefficients)
+_DOT_WARPS, _COEF_WARPS = 2, 4
+_ROW_COLS = 512  # columns of every stream per row chunk (two 256-column TMA boxes)
+_ROW_SLOTS = 8  # row chunks in flight per CTA (40 KB at n = 4): the row stream is bound by bytes in flight
+_LAG = 8  # token tiles the row role may run ahead of the grad role (their rows stay in L2 until re-read)
 # A stage is handed back one tile after its own (once its grad_x stores have read it): with one stage the
 # producer would wait for a release that comes only after the next tile has landed.
-_WS_MIN_STAGES = 2
+_OP_MIN_STAGES = 2
+
+_SYNC_SRC = r"""
+// The row roles publish a count per token tile (release), the grad producers poll it (acquire); the proxy
+// fence orders the TMA loads that follow behind the acquire.
+__device__ __forceinline__ void mhc_wait_count(const int* p, int target) {
+  int v;
+  for (;;) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    if (v >= target) break;
+    __nanosleep(64);
+  }
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+__device__ __forceinline__ void mhc_publish(int* p) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(p) : "memory");
+}
+__device__ __forceinline__ void mhc_fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+"""
 
 
-def ws_grad(n: int) -> bool:
-    """Whether the grad kernel is the warp-specialized one: phi's [hi; lo] slice and three stages of
-    tiles fit shared memory for n <= 4 (n = 6 and 8 keep the pipelined kernel)."""
-    return n <= 4
+def one_pass(n: int, D: int) -> bool:
+    """Whether the backward runs as one pass (`mhc_pre_bwd_one_pass`): n <= 4 (its rings fit shared memory)
+    and one CTA per D-slice fits the GPU at once (D <= 8448 on 132 SMs), since the CTAs wait on each other."""
+    return n <= 4 and -(-D // _OP_BLOCK) <= sm_count()
 
 
-def mhc_pre_bwd_grad_ws_kernel(n: int, D: int, has_g_in: bool = True, token_groups: int = 2,
-                               block_t: int = 64, block_d: int = _WS_BLOCK_D, num_stages: int = 3):
-    """grad_x and per-token-group grad_phi^T partials (module docstring, step 2), warp-specialized: one
-    producer warp streams each token tile (x of every stream side by side, g_in, g_mix, the coefficients)
-    by TMA into a ring of `num_stages` stages; the two consumer warpgroups run the products, form grad_x
-    in place of the x tile (each element from its own x) and store it from there by TMA, then free the
-    stage once those stores have read it. Same arguments as `mhc_pre_bwd_grad_kernel`."""
+def mhc_pre_bwd_one_pass_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: bool = True,
+                                has_g_res: bool = True, token_groups: int = 2, num_stages: int = 3):
+    """The whole backward in one launch for n <= 4 (module docstring): grad_x, per-token-group grad_phi^T
+    partials and the per-token g_z / grad_alpha terms. One persistent CTA per (D-slice, token group), all
+    resident. Its grad role streams token tiles of its slice (x, g_in, g_mix, coefficients) by TMA into a ring
+    of `num_stages` for two consumer warpgroups; its row role owns whole token rows (group start + slice +
+    k * slices), reads them from memory `_LAG` tiles ahead, reduces their dots, turns them into the
+    coefficients and publishes them per tile, so the grad roles of every slice re-read x and g_in from L2."""
+    block_t = block_d = _OP_BLOCK
     M, NG, NP, Dp, Dc = _dims(n, D, block_d)
     bk = n * block_d
+    slices = Dc // block_d
+    chunks = -(-D // _ROW_COLS)
+    C, W, lag, row_slots = _COEF_WARPS, _DOT_WARPS, _LAG, _ROW_SLOTS
     num_tokens = T.dynamic("num_tokens")
-    rows_in = num_tokens if has_g_in else 1
+    rows_in, rows_post, rows_res = (num_tokens if has else 1 for has in (has_g_in, has_g_post, has_g_res))
     CW = _coef_cols(n)
     streams = tuple(range(n))  # a Python tuple: the loops over it unroll while tracing
 
@@ -294,57 +330,184 @@ def mhc_pre_bwd_grad_ws_kernel(n: int, D: int, has_g_in: bool = True, token_grou
         return (it // num_stages) % 2
 
     @T.prim_func
-    def mhc_pre_bwd_grad_ws(
+    def mhc_pre_bwd_one_pass(
         X: T.Tensor((num_tokens, n, D), "bfloat16"),
         PhiHi: T.Tensor((NG, n, Dp), "bfloat16"),
         PhiLo: T.Tensor((NG, n, Dp), "bfloat16"),
+        Alpha: T.Tensor((3,), "float32"),
+        Bias: T.Tensor((M,), "float32"),
+        InvRms: T.Tensor((num_tokens,), "float32"),
+        HPre: T.Tensor((num_tokens, n), "float32"),
+        HMix: T.Tensor((num_tokens, M), "float32"),
         GIn: T.Tensor((rows_in, D), "bfloat16"),
-        GMix: T.Tensor((num_tokens, NP), "float32"),
+        GPost: T.Tensor((rows_post, n), "float32"),
+        GRes: T.Tensor((rows_res, n * n), "float32"),
+        GMix: T.Tensor((num_tokens, 2, NP), "bfloat16"),
         Coef: T.Tensor((num_tokens, CW), "float32"),
+        Ready: T.Tensor((T.ceildiv(num_tokens, block_t),), "int32"),
+        GZ: T.Tensor((num_tokens, M), "float32"),
+        GAlpha: T.Tensor((num_tokens, 3), "float32"),
         GradX: T.Tensor((num_tokens, n, D), "bfloat16"),
         PartPhiT: T.Tensor((token_groups, n, Dc, NP), "float32"),
     ):
-        with T.Kernel(Dc // block_d, token_groups, threads=_WS_THREADS) as (bx, by):
+        with T.Kernel(slices, token_groups, threads=_OP_THREADS, prelude=_SYNC_SRC) as (bx, by):
             d0 = bx * block_d
-            x_ring = T.alloc_shared((num_stages, block_t, bk), "bfloat16")  # stream i in columns of band i
+            x_ring = T.alloc_shared((num_stages, block_t, bk), "bfloat16")
             g_ring = T.alloc_shared((num_stages, block_t, block_d), "bfloat16")
-            gm_ring = T.alloc_shared((num_stages, block_t, NP), "float32")
-            coef_ring = T.alloc_shared((num_stages, block_t, CW), "float32")  # [c, h_pre] per token
+            gmh_ring = T.alloc_shared((num_stages, block_t, NP), "bfloat16")  # g_mix's bf16 hi and lo parts
+            gml_ring = T.alloc_shared((num_stages, block_t, NP), "bfloat16")
+            coef_ring = T.alloc_shared((num_stages, block_t, CW), "float32")
             phi_hi = T.alloc_shared((NP, bk), "bfloat16")
             phi_lo = T.alloc_shared((NP, bk), "bfloat16")
-            gm_hi = T.alloc_shared((block_t, NP), "bfloat16")
-            gm_lo = T.alloc_shared((block_t, NP), "bfloat16")
-            full = T.alloc_barrier([32] * num_stages)  # the producer warp arrives, TMA bytes complete it
-            free = T.alloc_barrier([256] * num_stages)  # consumer threads, after the stage's grad_x store
+            rx = T.alloc_shared((row_slots, n, _ROW_COLS), "bfloat16")
+            rg = T.alloc_shared((row_slots, _ROW_COLS), "bfloat16")
+            p_ring = T.alloc_shared((C, W, 4), "float32")  # a token's partial dots, per dot warp
+            pfull = T.alloc_barrier([32 * W] * C)
+            pfree = T.alloc_barrier([32] * C)
+            full = T.alloc_barrier([32] * num_stages)
+            free = T.alloc_barrier([256] * num_stages)
+            rfull = T.alloc_barrier([32] * row_slots)
+            rfree = T.alloc_barrier([32] * row_slots)
+            cfull = T.alloc_barrier([32] * lag)
+            cfree = T.alloc_barrier([256] * lag)
             gx = T.alloc_fragment((block_t, bk), "float32")
             gphi = T.alloc_fragment((bk, NP), "float32")
+            acc = T.alloc_local((n,), "float32")
+            qv = T.alloc_local((3,), "float32")
+            gv = T.alloc_local((8,), "bfloat16")
+            xv = T.alloc_local((8,), "bfloat16")
             tx = T.get_thread_binding()
-            per_group = T.ceildiv(T.ceildiv(num_tokens, block_t), token_groups)
-            first = by * per_group  # this CTA's token tiles: [first, first + tiles)
-            tiles = T.max(T.min(per_group, T.ceildiv(num_tokens, block_t) - first), 0)
+            all_tiles = T.ceildiv(num_tokens, block_t)
+            per_group = T.ceildiv(all_tiles, token_groups)
+            first = by * per_group
+            tiles = T.max(T.min(per_group, all_tiles - first), 0)
+            g_lo = first * block_t
+            g_len = T.max(T.min(tiles * block_t, num_tokens - g_lo), 0)
+            nrows = T.if_then_else(g_len > bx, T.ceildiv(g_len - bx, slices), 0)
 
-            if tx >= 256:  # producer warpgroup: warp 8 issues every load
-                T.set_max_nreg(40, 0)
-                if tx < 288:
+            if tx >= 256:
+                T.set_max_nreg(56, 0)
+                if tx < 288:  # warp 8: the grad role's loads
                     for it in T.serial(tiles):
                         st = stage(it)
                         t0 = (first + it) * block_t
+                        T.barrier_wait(cfull[it % lag], (it // lag) % 2)
                         T.barrier_wait(free[st], phase(it) ^ 1)
-                        # Past D (or the last token) TMA fills zeros: those rows and columns are never stored.
                         for i in streams:
                             T.tma_copy(X[t0:t0 + block_t, i, d0:d0 + block_d],
                                        x_ring[st, :, i * block_d:(i + 1) * block_d], barrier=full[st],
-                                       leader_scope_threads=32)
+                                       leader_scope_threads=32, eviction_policy="evict_first")
                         if has_g_in:
                             T.tma_copy(GIn[t0:t0 + block_t, d0:d0 + block_d], g_ring[st, :, :], barrier=full[st],
-                                       leader_scope_threads=32)
-                        T.tma_copy(GMix[t0:t0 + block_t, :], gm_ring[st, :, :], barrier=full[st],
+                                       leader_scope_threads=32, eviction_policy="evict_first")
+                        # The tile's coefficients come from every slice's row role (a count per tile).
+                        T.call_extern("handle", "mhc_wait_count", T.address_of(Ready[first + it]),
+                                      T.min(block_t, num_tokens - t0))
+                        T.tma_copy(GMix[t0:t0 + block_t, 0, :], gmh_ring[st, :, :], barrier=full[st],
+                                   leader_scope_threads=32)
+                        T.tma_copy(GMix[t0:t0 + block_t, 1, :], gml_ring[st, :, :], barrier=full[st],
                                    leader_scope_threads=32)
                         T.tma_copy(Coef[t0:t0 + block_t, :], coef_ring[st, :, :], barrier=full[st],
                                    leader_scope_threads=32)
                         T.barrier_arrive(full[st])
-            else:  # consumer warpgroups
-                T.set_max_nreg(232, 1)
+                elif tx < 320:  # warp 9: the row role's loads, at most `lag` tiles ahead of the grad role
+                    for j in T.serial(tiles):
+                        T.barrier_wait(cfree[j % lag], ((j // lag) % 2) ^ 1)
+                        if has_g_in:
+                            k_lo = T.ceildiv(T.max(j * block_t - bx, 0), slices)
+                            k_hi = T.min(T.ceildiv(T.max((j + 1) * block_t - bx, 0), slices), nrows)
+                            for k in T.serial(k_hi - k_lo):
+                                tok = g_lo + bx + (k_lo + k) * slices
+                                for q in T.serial(chunks):
+                                    u = (k_lo + k) * chunks + q
+                                    sl = u % row_slots
+                                    T.barrier_wait(rfree[sl], ((u // row_slots) % 2) ^ 1)
+                                    for bb in T.unroll(_ROW_COLS // 256):
+                                        c0 = q * _ROW_COLS + bb * 256
+                                        T.tma_copy(X[tok, :, c0:c0 + 256], rx[sl, :, bb * 256:(bb + 1) * 256],
+                                                   barrier=rfull[sl], leader_scope_threads=32, eviction_policy="evict_last")
+                                        T.tma_copy(GIn[tok, c0:c0 + 256], rg[sl, bb * 256:(bb + 1) * 256],
+                                                   barrier=rfull[sl], leader_scope_threads=32, eviction_policy="evict_last")
+                                    T.barrier_arrive(rfull[sl])
+                        T.barrier_arrive(cfull[j % lag])
+                elif tx < 320 + 32 * W:  # warps 10..: the row role's dots, chunk u by warp u % W
+                    lane = tx % 32
+                    w = (tx - 320) // 32
+                    for k in T.serial(nrows):
+                        T.barrier_wait(pfree[k % C], ((k // C) % 2) ^ 1)
+                        for i in T.unroll(n):
+                            acc[i] = T.float32(0)
+                        if has_g_in:
+                            for q in T.serial(chunks):
+                                u = k * chunks + q
+                                if u % W == w:
+                                    sl = u % row_slots
+                                    T.barrier_wait(rfull[sl], (u // row_slots) % 2)
+                                    for v in T.unroll(_ROW_COLS // 256):
+                                        c = (v * 32 + lane) * 8
+                                        for e in T.vectorized(8):
+                                            gv[e] = rg[sl, c + e]
+                                        for i in T.unroll(n):
+                                            for e in T.vectorized(8):
+                                                xv[e] = rx[sl, i, c + e]
+                                            for e in T.unroll(8):
+                                                acc[i] += T.cast(xv[e], "float32") * T.cast(gv[e], "float32")
+                                    # ptxas may place the arrive before the FMAs that consume these shared
+                                    # loads: without the fence the next TMA write can overtake them.
+                                    T.fence_proxy_async()
+                                    T.barrier_arrive(rfree[sl])
+                            for i in T.unroll(n):
+                                for o in T.unroll(5):
+                                    acc[i] += T.shfl_xor(acc[i], 16 >> o)
+                        if lane < n:
+                            for i in T.unroll(n):
+                                if lane == i:
+                                    p_ring[k % C, w, i] = acc[i]
+                        T.barrier_arrive(pfull[k % C])
+                elif tx < 320 + 32 * (W + C):  # the row role's coefficients, tokens dealt round robin, published
+                    lane = tx % 32
+                    c = (tx - 320 - 32 * W) // 32
+                    r = lane  # NP = 32 for n <= 4: lane r owns row r of phi
+                    grp = T.if_then_else(r < n, 0, T.if_then_else(r < 2 * n, 1, 2))
+                    a = Alpha[grp]
+                    b = Bias[T.min(r, M - 1)]
+                    for kk in T.serial(T.ceildiv(T.max(nrows - c, 0), C)):
+                        k = c + kk * C
+                        tok = g_lo + bx + k * slices
+                        # The token's small inputs, loaded before the wait for its dots.
+                        s = InvRms[tok]
+                        m = T.if_then_else(r < M, HMix[tok, T.min(r, M - 1)], T.float32(0))
+                        gp = GPost[T.min(tok, rows_post - 1), T.clamp(r - n, 0, n - 1)] if has_g_post else T.float32(0)
+                        gr = GRes[T.min(tok, rows_res - 1), T.clamp(r - 2 * n, 0, n * n - 1)] if has_g_res else T.float32(0)
+                        hp = HPre[tok, T.clamp(lane - 1, 0, n - 1)]
+                        T.barrier_wait(pfull[c], kk % 2)
+                        pr = sum(p_ring[c, w, T.min(r, n - 1)] for w in range(1, W)) + p_ring[c, 0, T.min(r, n - 1)]
+                        T.barrier_arrive(pfree[c])
+                        sig = T.sigmoid(a * s * m + b)
+                        gz = T.if_then_else(r < n, pr * sig * (1 - sig), T.if_then_else(
+                            r < 2 * n, 2 * gp * sig * (1 - sig), T.if_then_else(r < M, gr, T.float32(0))))
+                        gmix = s * a * gz
+                        hi = T.cast(gmix, "bfloat16")
+                        GMix[tok, 0, r] = hi
+                        GMix[tok, 1, r] = T.cast(gmix - T.cast(hi, "float32"), "bfloat16")
+                        if r < M:
+                            GZ[tok, r] = gz
+                        for g in T.unroll(3):
+                            qv[g] = T.if_then_else(grp == g, gz * m, T.float32(0))
+                            for o in T.unroll(5):
+                                qv[g] += T.shfl_xor(qv[g], 16 >> o)
+                        if lane == 0:
+                            Coef[tok, 0] = -(Alpha[0] * qv[0] + Alpha[1] * qv[1] + Alpha[2] * qv[2]) * s * s * s / (n * D)
+                        elif lane < CW:
+                            Coef[tok, lane] = T.if_then_else(lane <= n, hp, T.float32(0))
+                        if lane < 3:
+                            GAlpha[tok, lane] = s * T.if_then_else(lane == 0, qv[0], T.if_then_else(lane == 1, qv[1], qv[2]))
+                        T.call_extern("handle", "mhc_fence_acq_rel")  # each writing lane: its stores first
+                        T.sync_warp()
+                        if lane == 0:
+                            T.call_extern("handle", "mhc_publish", T.address_of(Ready[tok // block_t]))
+            else:  # consumer warpgroups: the grad role
+                T.set_max_nreg(200, 1)
                 for r, k in T.Parallel(NP, bk):
                     ok = r < NG
                     col = d0 + k % block_d
@@ -355,32 +518,26 @@ def mhc_pre_bwd_grad_ws_kernel(n: int, D: int, has_g_in: bool = True, token_grou
                     st = stage(it)
                     t0 = (first + it) * block_t
                     T.barrier_wait(full[st], phase(it))
-                    for t, r in T.Parallel(block_t, NP):
-                        hi = T.cast(gm_ring[st, t, r], "bfloat16")
-                        gm_hi[t, r] = hi
-                        gm_lo[t, r] = T.cast(gm_ring[st, t, r] - T.cast(hi, "float32"), "bfloat16")
-                    # g_mix @ phi as hi*hi + lo*hi + hi*lo; grad_phi^T += x^T @ (hi + lo), warps splitting its
-                    # rows (whole N = 32 per wgmma). Issued together, waited for once.
-                    T.wgmma_gemm(gm_hi, phi_hi, gx, clear_accum=True)
-                    T.wgmma_gemm(gm_lo, phi_hi, gx)
-                    T.wgmma_gemm(gm_hi, phi_lo, gx)
-                    T.wgmma_gemm(x_ring[st, :, :], gm_hi, gphi, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
-                    T.wgmma_gemm(x_ring[st, :, :], gm_lo, gphi, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(gmh_ring[st, :, :], phi_hi, gx, clear_accum=True)
+                    T.wgmma_gemm(gml_ring[st, :, :], phi_hi, gx)
+                    T.wgmma_gemm(gmh_ring[st, :, :], phi_lo, gx)
+                    T.wgmma_gemm(x_ring[st, :, :], gmh_ring[st, :, :], gphi, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.wgmma_gemm(x_ring[st, :, :], gml_ring[st, :, :], gphi, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
                     T.wait_wgmma(0)
                     for t, k in T.Parallel(block_t, bk):
                         h_in_term = (coef_ring[st, t, 1 + k // block_d] * T.cast(g_ring[st, t, k % block_d], "float32")
                                      if has_g_in else T.float32(0))
                         gx[t, k] += coef_ring[st, t, 0] * T.cast(x_ring[st, t, k], "float32") + h_in_term
-                    # Every warp has read the x tile (products, the loop above): grad_x goes in its place.
                     T.sync_threads(1, 256)
+                    T.barrier_arrive(cfree[it % lag])
                     T.copy(gx, x_ring[st, :, :])
-                    T.fence_proxy_async()  # the shared stores, before the TMA engine reads them
+                    T.fence_proxy_async()
                     T.sync_threads(1, 256)
-                    for i in streams:  # warp i stores stream i's band; rows past the last token are dropped
+                    for i in streams:
                         if tx // 32 == i:
                             T.tma_copy(x_ring[st, :, i * block_d:(i + 1) * block_d],
-                                       GradX[t0:t0 + block_t, i, d0:d0 + block_d], leader_scope_threads=32)
-                    # The previous tile's stores have read its stage: hand that one back (this one's later).
+                                       GradX[t0:t0 + block_t, i, d0:d0 + block_d], leader_scope_threads=32,
+                                       eviction_policy="evict_first")
                     T.tma_store_wait(1)
                     if it > 0:
                         T.barrier_arrive(free[stage(it - 1)])
@@ -390,40 +547,36 @@ def mhc_pre_bwd_grad_ws_kernel(n: int, D: int, has_g_in: bool = True, token_grou
                 for k, r in T.Parallel(bk, NP):
                     PartPhiT[by, k // block_d, d0 + k % block_d, r] = gphi[k, r]
 
-    return mhc_pre_bwd_grad_ws
+    return mhc_pre_bwd_one_pass
 
 
-def grad_kernel(n: int, D: int, has_g_in: bool = True, **config):
-    """The grad kernel of (n, D): the warp-specialized one where `ws_grad(n)`, else the pipelined one."""
-    build = mhc_pre_bwd_grad_ws_kernel if ws_grad(n) else mhc_pre_bwd_grad_kernel
-    return build(n, D, has_g_in, **config)
-
-
-def _token_groups(D: int, block_d: int) -> int:
-    """Token groups of the warp-specialized grad kernel (one CTA per SM): the fewest that fill the last
-    wave of (D-slice, token group) CTAs best (D = 4096: 2, 128 CTAs; D = 7168: 7, 784 CTAs in 5.9 waves),
-    since every group adds a grad_phi partial to write and sum."""
-    slices, sms = -(-D // block_d), sm_count()
-    return max(range(1, 9), key=lambda g: (slices * g / (-(-slices * g // sms) * sms), -g))
+def grad_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: bool = True, has_g_res: bool = True,
+                block_t: int = 64, block_d: int = 64, token_groups: int = 4, num_stages: int = 1):
+    """The kernel that writes grad_x for (n, D): the one pass where `one_pass(n, D)`, else the pipelined
+    grad kernel (after the stats kernel; it reads no g_post / g_res)."""
+    if one_pass(n, D):
+        return mhc_pre_bwd_one_pass_kernel(n, D, has_g_in, has_g_post, has_g_res, token_groups, num_stages)
+    return mhc_pre_bwd_grad_kernel(n, D, has_g_in, token_groups, block_t, block_d, num_stages)
 
 
 def _default_config(n: int, D: int) -> dict:
-    if ws_grad(n):
-        return {"block_t": 64, "block_d": _WS_BLOCK_D, "token_groups": _token_groups(D, _WS_BLOCK_D),
-                "num_stages": 3}
+    if one_pass(n, D):  # as many token groups as keep every CTA resident (D = 4096: 2, D = 7168: 1)
+        return {"block_t": _OP_BLOCK, "block_d": _OP_BLOCK,
+                "token_groups": min(64, sm_count() // -(-D // _OP_BLOCK)), "num_stages": 3}
     # block_d keeps n*block_d a multiple of 64 (the grad_phi product's M over 8 warps) and shared
     # memory in bounds (n = 5 and 7 fit with no block_d, see MHCBackwardPreTileLang). num_stages is the
     # grad kernel's (the tunable one; the stats kernel takes 2 when they fit, see _stats_stages): one
     # stage, as measured; its x tiles are copied out at once, which frees them for the next loads.
-    return {"block_t": 64, "block_d": {6: 32, 8: 16}[n], "token_groups": 4, "num_stages": 1}
+    return {"block_t": 64, "block_d": {6: 32, 8: 16}.get(n, 64), "token_groups": 4, "num_stages": 1}
 
 
 class MHCBackwardPreTileLang:
-    """mHC pre backward: ``op(x, phi, alpha, bias, inv_rms, h_pre, grad_h_in, grad_h_post, grad_h_res)
-    -> (grad_x, grad_phi, grad_alpha, grad_bias)``; see golden/mhc_pre_bwd.py.
+    """mHC pre backward: ``op(x, phi, alpha, bias, inv_rms, h_pre, h_mix, grad_h_in, grad_h_post,
+    grad_h_res) -> (grad_x, grad_phi, grad_alpha, grad_bias)``; see golden/mhc_pre_bwd.py.
 
-    x [B, S, n, D] bf16, phi [n*n+2n, n*D], alpha [3], bias [n*n+2n], and the forward's inv_rms [B, S]
-    and h_pre [B, S, n] (fp32); output gradients grad_h_in [B, S, D] bf16, grad_h_post [B, S, n] fp32,
+    x [B, S, n, D] bf16, phi [n*n+2n, n*D], alpha [3], bias [n*n+2n], and the forward's inv_rms [B, S],
+    h_pre [B, S, n] and h_mix [B, S, n*n+2n] (fp32, ``return_aux``; the one pass reads h_mix, the two
+    kernels recompute it); output gradients grad_h_in [B, S, D] bf16, grad_h_post [B, S, n] fp32,
     grad_h_res [B, S, n, n] fp32, each may be None (zero, never read). Returns grad_x [B, S, n, D] bf16,
     grad_phi [n*n+2n, n*D], grad_alpha [3], grad_bias [n*n+2n] fp32. B and S are free at call time.
     Kernels for the all-gradients case are built at construction, those for a pattern of absent
@@ -438,9 +591,9 @@ class MHCBackwardPreTileLang:
     def config_space(n: int, D: int, **_) -> list[dict]:
         # block_d and token_groups fix the workspace shapes of tune_args, so they stay at the default.
         base = _default_config(n, D)
-        tiles, least = ((64,), _WS_MIN_STAGES) if ws_grad(n) else ((64, 128), 1)
+        tiles, least = ((64,), _OP_MIN_STAGES) if one_pass(n, D) else ((64, 128), 1)
         return [{**base, "block_t": bt, "num_stages": s} for bt in tiles for s in range(least, 5)
-                if _smem_bytes(n, bt, base["block_d"], s) <= _SMEM_LIMIT]
+                if _smem_bytes(n, D, bt, base["block_d"], s) <= _smem_limit(n, D)]
 
     def __init__(self, B: int, S: int, n: int, D: int, config: dict | None = None):
         check_int("B", B, lo=1)
@@ -460,25 +613,35 @@ class MHCBackwardPreTileLang:
             raise ValueError(f"config: n*block_d must be a multiple of 64, got n={n}, block_d={cfg['block_d']}")
         check_int("config['token_groups']", cfg["token_groups"], lo=1, hi=64)
         check_int("config['num_stages']", cfg["num_stages"], lo=1, hi=4)
-        if ws_grad(n) and (cfg["block_t"], cfg["block_d"]) != (64, _WS_BLOCK_D):
-            raise ValueError(f"config: block_t and block_d must be 64 for n={n} (the warp-specialized grad "
-                             f"kernel), got {cfg['block_t']} and {cfg['block_d']}")
-        if ws_grad(n) and cfg["num_stages"] < _WS_MIN_STAGES:
-            raise ValueError(f"config['num_stages']: expected >= {_WS_MIN_STAGES} for n={n} (the warp-specialized "
-                             f"grad kernel hands a stage back one tile late), got {cfg['num_stages']}")
-        need = _smem_bytes(n, cfg["block_t"], cfg["block_d"], cfg["num_stages"])
-        if need > _SMEM_LIMIT:
+        if one_pass(n, D):
+            if (cfg["block_t"], cfg["block_d"]) != (_OP_BLOCK, _OP_BLOCK):
+                raise ValueError(f"config: block_t and block_d must be {_OP_BLOCK} for n={n} (the one-pass kernel), "
+                                 f"got {cfg['block_t']} and {cfg['block_d']}")
+            if cfg["num_stages"] < _OP_MIN_STAGES:
+                raise ValueError(f"config['num_stages']: expected >= {_OP_MIN_STAGES} for n={n} (the one-pass "
+                                 f"kernel hands a stage back one tile late), got {cfg['num_stages']}")
+            ctas = -(-D // _OP_BLOCK) * cfg["token_groups"]
+            if ctas > sm_count():
+                raise ValueError(f"config['token_groups']: expected <= {sm_count() // -(-D // _OP_BLOCK)} for "
+                                 f"D={D} (the one pass needs every CTA resident), got {cfg['token_groups']}")
+        need = _smem_bytes(n, D, cfg["block_t"], cfg["block_d"], cfg["num_stages"])
+        if need > _smem_limit(n, D):
             raise ValueError(f"config: {cfg} needs about {need} bytes of shared memory for n={n}, "
-                             f"over {_SMEM_LIMIT}")
+                             f"over {_smem_limit(n, D)}")
         self._split = compile_kernel(mhc_phi_split_kernel(n, D))
         self._stats, self._grad = {}, {}
         self._kernels(True, True, True)
         self._placeholders = {}
 
     def _kernels(self, has_g_in: bool, has_g_post: bool, has_g_res: bool):
+        """The kernels of a pattern of present gradients: the one pass (built alone), or stats and grad."""
         cfg, n, D = self.config, self.n, self.D
         tiles = {k: cfg[k] for k in ("block_t", "block_d")}
         key = (has_g_in, has_g_post, has_g_res)
+        if one_pass(n, D):
+            if key not in self._grad:
+                self._grad[key] = compile_kernel(grad_kernel(n, D, *key, **cfg))
+            return None, self._grad[key]
         if key not in self._stats:
             stages = _stats_stages(n, cfg["block_t"], cfg["block_d"])
             self._stats[key] = compile_kernel(mhc_pre_bwd_stats_kernel(n, D, *key, num_stages=stages, **tiles))
@@ -487,7 +650,7 @@ class MHCBackwardPreTileLang:
                 n, D, has_g_in, token_groups=cfg["token_groups"], num_stages=cfg["num_stages"], **tiles))
         return self._stats[key], self._grad[has_g_in]
 
-    def check_inputs(self, x, phi, alpha, bias, inv_rms, h_pre, grad_h_in=None, grad_h_post=None,
+    def check_inputs(self, x, phi, alpha, bias, inv_rms, h_pre, h_mix, grad_h_in=None, grad_h_post=None,
                      grad_h_res=None) -> None:
         n, D, M = self.n, self.D, self.n * self.n + 2 * self.n
         check_tensor("x", x, torch.bfloat16, (None, None, n, D))
@@ -498,6 +661,7 @@ class MHCBackwardPreTileLang:
         check_tensor("bias", bias, torch.float32, (M,), device=dev)
         check_tensor("inv_rms", inv_rms, torch.float32, (B, S), device=dev)
         check_tensor("h_pre", h_pre, torch.float32, (B, S, n), device=dev)
+        check_tensor("h_mix", h_mix, torch.float32, (B, S, M), device=dev)
         for name, g, dtype, shape in (("grad_h_in", grad_h_in, torch.bfloat16, (B, S, D)),
                                       ("grad_h_post", grad_h_post, torch.float32, (B, S, n)),
                                       ("grad_h_res", grad_h_res, torch.float32, (B, S, n, n))):
@@ -511,7 +675,8 @@ class MHCBackwardPreTileLang:
             self._placeholders[key] = torch.zeros(shape, device=device, dtype=dtype)
         return self._placeholders[key]
 
-    def _launch_args(self, x, phi, alpha, bias, inv_rms, h_pre, grad_h_in, grad_h_post, grad_h_res):
+    def _launch_args(self, x, phi, alpha, bias, inv_rms, h_pre, h_mix, grad_h_in, grad_h_post, grad_h_res):
+        """(stats kernel args, grad kernel args); the one pass has no stats kernel (None)."""
         n, D, cfg = self.n, self.D, self.config
         M, NG, NP, Dp, Dc = _dims(n, D, cfg["block_d"])
         tokens, dev = x.shape[0] * x.shape[1], x.device
@@ -525,40 +690,50 @@ class MHCBackwardPreTileLang:
         g_res = (self._placeholder(dev, (1, n * n), torch.float32) if grad_h_res is None
                  else grad_h_res.view(tokens, n * n))
         x2 = x.view(tokens, n * D)
-        g_mix, coef = torch.empty(tokens, NP, **f32), torch.empty(tokens, _coef_cols(n), **f32)
+        coef = torch.empty(tokens, _coef_cols(n), **f32)
         g_z, g_alpha = torch.empty(tokens, M, **f32), torch.empty(tokens, 3, **f32)
         grad_x = torch.empty(tokens, n, D, device=dev, dtype=torch.bfloat16)
         part_phi_t = torch.empty(cfg["token_groups"], n, Dc, NP, **f32)
+        if one_pass(n, D):
+            g_mix = torch.empty(tokens, 2, NP, device=dev, dtype=torch.bfloat16)  # bf16 hi, lo
+            ready = torch.zeros(-(-tokens // _OP_BLOCK), device=dev, dtype=torch.int32)  # per-tile counts
+            return None, (x.view(tokens, n, D), phi_hi, phi_lo, alpha, bias, inv_rms.view(tokens), h_pre.view(tokens, n),
+                          h_mix.view(tokens, M), g_in, g_post, g_res, g_mix, coef, ready, g_z, g_alpha, grad_x,
+                          part_phi_t)
+        g_mix = torch.empty(tokens, NP, **f32)
         # Each kernel's outputs come last: (g_z, g_alpha) and (grad_x, part_phi_t).
         stats_args = (x2, phi_hl.view(2 * NG, n * Dp), alpha, bias, inv_rms.view(tokens), h_pre.view(tokens, n),
                       g_in, g_post, g_res, g_mix, coef, g_z, g_alpha)
-        x_grad = x.view(tokens, n, D) if ws_grad(n) else x2  # the warp-specialized kernel reads x per stream
-        grad_args = (x_grad, phi_hi, phi_lo, g_in, g_mix, coef, grad_x, part_phi_t)
-        return stats_args, grad_args
+        return stats_args, (x2, phi_hi, phi_lo, g_in, g_mix, coef, grad_x, part_phi_t)
 
-    def tune_args(self, x, phi, alpha, bias, inv_rms, h_pre, grad_h_in=None, grad_h_post=None,
+    def tune_args(self, x, phi, alpha, bias, inv_rms, h_pre, h_mix, grad_h_in=None, grad_h_post=None,
                   grad_h_res=None):
         """Arguments of the grad kernel (the tunable one) for these call inputs; runs the stats kernel
-        so that they hold real values."""
-        call = (x, phi, alpha, bias, inv_rms, h_pre, grad_h_in, grad_h_post, grad_h_res)
+        so that they hold real values. The one pass's per-tile counts are zeroed once here, so only its
+        first timed run waits on them."""
+        call = (x, phi, alpha, bias, inv_rms, h_pre, h_mix, grad_h_in, grad_h_post, grad_h_res)
         self.check_inputs(*call)
         stats_args, grad_args = self._launch_args(*call)
-        self._kernels(*(g is not None for g in call[6:]))[0](*stats_args)
+        stats = self._kernels(*(g is not None for g in call[7:]))[0]
+        if stats is not None:
+            stats(*stats_args)
         return grad_args
 
-    def __call__(self, x, phi, alpha, bias, inv_rms, h_pre, grad_h_in=None, grad_h_post=None, grad_h_res=None):
-        call = (x, phi, alpha, bias, inv_rms, h_pre, grad_h_in, grad_h_post, grad_h_res)
+    def __call__(self, x, phi, alpha, bias, inv_rms, h_pre, h_mix, grad_h_in=None, grad_h_post=None,
+                 grad_h_res=None):
+        call = (x, phi, alpha, bias, inv_rms, h_pre, h_mix, grad_h_in, grad_h_post, grad_h_res)
         self.check_inputs(*call)
         B, S, n, D = x.shape
         M = n * n + 2 * n
-        present = tuple(g is not None for g in call[6:])
+        present = tuple(g is not None for g in call[7:])
         if B * S == 0 or not any(present):
             return (torch.zeros_like(x), torch.zeros_like(phi), torch.zeros_like(alpha), torch.zeros_like(bias))
         stats, grad = self._kernels(*present)
         stats_args, grad_args = self._launch_args(*call)
-        stats(*stats_args)
+        if stats is not None:
+            stats(*stats_args)
         grad(*grad_args)
-        g_z, g_alpha = stats_args[-2:]
+        g_z, g_alpha = grad_args[-4:-2] if stats is None else stats_args[-2:]
         grad_x, part_phi_t = grad_args[-2:]
         # Fixed-order sums of the per-group / per-token partials (deterministic).
         grad_phi = part_phi_t.sum(0)[:, :D, :M].permute(2, 0, 1).reshape(M, n * D)
@@ -585,12 +760,14 @@ def _grad_smem(n: int, block_t: int, block_d: int, num_stages: int) -> int:
     return num_stages * tiles + 3 * NP * bk * 2 + block_t * bk * 2 + block_t * 5 * NP * 2
 
 
-def _ws_grad_smem(n: int, block_t: int, num_stages: int) -> int:
-    """Shared memory of the warp-specialized grad kernel: its ring, phi's [hi; lo] slice, g_mix's parts."""
-    _, _, NP, _, _ = _dims(n, _WS_BLOCK_D, _WS_BLOCK_D)
-    bk = n * _WS_BLOCK_D
-    stage = block_t * (bk * 2 + _WS_BLOCK_D * 2 + NP * 4 + _coef_cols(n) * 4)
-    return num_stages * stage + 2 * NP * bk * 2 + 2 * block_t * NP * 2
+def _one_pass_smem(n: int, block_t: int, num_stages: int) -> int:
+    """Shared memory of the one pass: the grad role's ring (x, g_in, g_mix's hi and lo, coefficients), phi's
+    [hi; lo] slice, the row ring and the dots handed to the coefficient warps."""
+    _, _, NP, _, _ = _dims(n, _OP_BLOCK, _OP_BLOCK)
+    bk = n * _OP_BLOCK
+    stage = block_t * (bk * 2 + _OP_BLOCK * 2 + NP * 2 * 2 + _coef_cols(n) * 4)
+    rows = _ROW_SLOTS * (n + 1) * _ROW_COLS * 2
+    return num_stages * stage + 2 * NP * bk * 2 + rows + _COEF_WARPS * _DOT_WARPS * 4 * 4
 
 
 def _stats_stages(n: int, block_t: int, block_d: int) -> int:
@@ -598,19 +775,25 @@ def _stats_stages(n: int, block_t: int, block_d: int) -> int:
     return 2 if _stats_smem(n, block_t, block_d, 2) + 2048 <= _SMEM_LIMIT else 1
 
 
-def _smem_bytes(n: int, block_t: int, block_d: int, num_stages: int) -> int:
-    """Shared memory of the larger of the two kernels, plus slack for barriers and alignment."""
+def _smem_bytes(n: int, D: int, block_t: int, block_d: int, num_stages: int) -> int:
+    """Shared memory of the one pass (exact), or of the larger of the two kernels plus slack."""
+    if one_pass(n, D):
+        return _one_pass_smem(n, block_t, num_stages)
     stats = _stats_smem(n, block_t, block_d, _stats_stages(n, block_t, block_d))
-    grad = _ws_grad_smem(n, block_t, num_stages) if ws_grad(n) else _grad_smem(n, block_t, block_d, num_stages)
-    return max(stats, grad) + 2048
+    return max(stats, _grad_smem(n, block_t, block_d, num_stages)) + 2048
+
+
+def _smem_limit(n: int, D: int) -> int:
+    """Hopper's 227 KB per block less the one pass's static barriers, or the two kernels' margin."""
+    return 227 * 1024 - 1024 if one_pass(n, D) else _SMEM_LIMIT
 
 
 class _MHCPre(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, phi, alpha, bias, rms_eps, hc_eps):
         fwd, bwd = _ops_for(x, rms_eps, hc_eps)
-        h_in, h_post, h_res, inv_rms, h_pre = fwd(x, phi, alpha, bias, return_aux=True)
-        ctx.save_for_backward(x, phi, alpha, bias, inv_rms, h_pre)
+        h_in, h_post, h_res, inv_rms, h_pre, h_mix = fwd(x, phi, alpha, bias, return_aux=True)
+        ctx.save_for_backward(x, phi, alpha, bias, inv_rms, h_pre, h_mix)
         ctx.bwd = bwd
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: never read
         return h_in, h_post, h_res

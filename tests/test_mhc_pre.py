@@ -54,9 +54,10 @@ def test_golden_matches_float64_loop(n, D, shape):
 
 def test_golden_aux_outputs():
     x, phi, alpha, bias = random_inputs(2, 3, 2, 16)
-    h_in, h_post, h_res, inv_rms, h_pre = mhc_forward_pre(x, phi, alpha, bias, return_aux=True)
+    h_in, h_post, h_res, inv_rms, h_pre, h_mix = mhc_forward_pre(x, phi, alpha, bias, return_aux=True)
     xf = x.double().reshape(2, 3, -1)
     assert torch.allclose(inv_rms.double(), xf.square().mean(-1).add(1e-6).rsqrt(), rtol=1e-5)
+    assert torch.allclose(h_mix.double(), xf @ phi.double().t(), rtol=1e-4, atol=1e-5)
     assert torch.allclose(h_in.float(), (h_pre[..., None] * x.float()).sum(2).bfloat16().float())
 
 
@@ -193,8 +194,8 @@ def test_compiled_matches_golden(n, D, shape, poisoned):
     for _ in range(2):  # the second run reuses workspace and counters
         with poisoned():
             got = op(x, phi, alpha, bias, return_aux=True)
-        for name, g, r, tol in zip(("h_in", "h_post", "h_res", "inv_rms", "h_pre"), got, ref,
-                                   (8e-3, 2e-3, 2e-3, 1e-5, 2e-3)):
+        for name, g, r, tol in zip(("h_in", "h_post", "h_res", "inv_rms", "h_pre", "h_mix"), got, ref,
+                                   (8e-3, 2e-3, 2e-3, 1e-5, 2e-3, 2e-3)):
             assert not torch.isnan(g).any(), f"{name}: unwritten (NaN) elements"
             assert rel_err(g, r) <= tol, f"{name}: rel err {rel_err(g, r):.2e} > {tol}"
 

@@ -87,6 +87,7 @@ def test_closed_form_float32_inputs():
     (dict(n=2, config={"block_d": 16}), ValueError, "multiple of 64"),
     (dict(n=8, config={"block_d": 64}), ValueError, "shared memory"),
     (dict(config={"block_t": 128}), ValueError, "must be 64 for n=4"),
+    (dict(D=4096, config={"token_groups": 3}), ValueError, r"token_groups'\]: expected <= 2 for D=4096"),
     (dict(n=2, config={"num_stages": 1}), ValueError, r"num_stages'\]: expected >= 2 for n=2"),
 ])
 def test_constructor_validation(kwargs, err, match):
@@ -97,7 +98,7 @@ def test_constructor_validation(kwargs, err, match):
 
 @pytest.mark.parametrize("n", [1, 4, 6])
 def test_config_space_offers_no_hanging_config(n):
-    """The warp-specialized grad kernel (n <= 4) hangs with one stage: the autotuner is never offered it."""
+    """The one-pass kernel (n <= 4) hangs with one stage: the autotuner is never offered it."""
     stages = {cfg["num_stages"] for cfg in MHCBackwardPreTileLang.config_space(n=n, D=1024)}
     assert stages and min(stages) == (2 if n <= 4 else 1), stages
 
@@ -109,23 +110,28 @@ def op_2_520():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("n,D", [(4, 4096), (4, 7168), (1, 64), (8, 512), (3, 520), (6, 520)])
+@pytest.mark.parametrize("n,D", [(4, 4096), (4, 7168), (1, 64), (8, 512), (3, 520), (6, 520), (2, 8456)])
 def test_compiles_for_sm90a(n, D):
+    """n <= 4 up to 132 D-slices: the one pass alone; else the stats and grad kernels ((2, 8456): 133 slices)."""
     op = MHCBackwardPreTileLang(1, 4, n, D)
-    assert set(op._stats) == {ALL} and set(op._grad) == {True}
+    if n <= 4 and D <= 132 * 64:
+        assert not op._stats and set(op._grad) == {ALL}
+    else:
+        assert set(op._stats) == {ALL} and set(op._grad) == {True}
 
 
 @pytest.mark.compile
 def test_compiles_absent_gradient_variants(op_2_520):
     for present in PARTIAL:
         op_2_520._kernels(*present)
-    assert len(op_2_520._grad) == 2 and len(op_2_520._stats) == 1 + len(PARTIAL)
+    assert len(op_2_520._grad) == 1 + len(PARTIAL) and not op_2_520._stats  # one pass per pattern
 
 
 def call_with(which, make, device):
     (x, phi, alpha, bias), (g_in, g_post, g_res) = make_inputs(1, 4, 2, 520, device=device)
     call = dict(x=x, phi=phi, alpha=alpha, bias=bias, inv_rms=torch.ones(1, 4, device=device),
-                h_pre=torch.ones(1, 4, 2, device=device), grad_h_in=g_in, grad_h_post=g_post, grad_h_res=g_res)
+                h_pre=torch.ones(1, 4, 2, device=device), h_mix=torch.ones(1, 4, 8, device=device),
+                grad_h_in=g_in, grad_h_post=g_post, grad_h_res=g_res)
     call[which] = make(call[which])
     return call
 
@@ -147,6 +153,7 @@ def test_call_validation_cpu(op_2_520, make, err, match):
     ("phi", lambda t: t.cpu(), ValueError, "phi: expected a CUDA tensor"),
     ("inv_rms", lambda t: t[:, :1], ValueError, "inv_rms: expected shape"),
     ("h_pre", lambda t: t.double(), TypeError, "h_pre: expected dtype torch.float32"),
+    ("h_mix", lambda t: t[..., :3], ValueError, "h_mix: expected shape"),
     ("grad_h_in", lambda t: t.float(), TypeError, "grad_h_in: expected dtype torch.bfloat16"),
     ("grad_h_in", lambda t: t.transpose(0, 1), ValueError, "grad_h_in: expected shape"),
     ("grad_h_post", lambda t: t[..., :1], ValueError, "grad_h_post: expected shape"),
@@ -171,9 +178,9 @@ def gpu_op(n, D, num_stages=None):
 
 def run_both(B, S, n, D, present=ALL, poisoned=contextlib.nullcontext, num_stages=None):
     inputs, grads = make_inputs(B, S, n, D, device="cuda", present=present)
-    _, _, _, inv_rms, h_pre = mhc_forward_pre(*inputs, return_aux=True)
+    aux = mhc_forward_pre(*inputs, return_aux=True)[3:]  # inv_rms, h_pre, h_mix
     with poisoned():  # every output and workspace of the op starts as NaN
-        got = gpu_op(n, D, num_stages)(*inputs, inv_rms, h_pre, *grads)
+        got = gpu_op(n, D, num_stages)(*inputs, *aux, *grads)
     ref = mhc_backward_pre_autograd(*inputs, *grads)
     return got, ref
 
@@ -214,6 +221,12 @@ def test_matches_golden_bench_shape(poisoned):
 
 
 @pytest.mark.gpu
+def test_matches_golden_two_kernels_n_le_4(poisoned):
+    """n <= 4 with more D-slices than SMs (133 at D = 8456): the stats and pipelined grad kernels."""
+    assert_close(*run_both(1, 300, 2, 8456, poisoned=poisoned))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("present", PARTIAL)
 def test_absent_gradients(poisoned, present):
     got, ref = run_both(3, 333, 2, 520, present, poisoned)
@@ -223,11 +236,11 @@ def test_absent_gradients(poisoned, present):
 @pytest.mark.gpu
 def test_deterministic():
     inputs, grads = make_inputs(2, 3000, 4, 1024, device="cuda")
-    _, _, _, inv_rms, h_pre = mhc_forward_pre(*inputs, return_aux=True)
+    aux = mhc_forward_pre(*inputs, return_aux=True)[3:]
     op = gpu_op(4, 1024)
-    first = op(*inputs, inv_rms, h_pre, *grads)
+    first = op(*inputs, *aux, *grads)
     for _ in range(4):
-        again = op(*inputs, inv_rms, h_pre, *grads)
+        again = op(*inputs, *aux, *grads)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
 

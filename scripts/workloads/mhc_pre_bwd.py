@@ -19,8 +19,8 @@ def _inputs(B, S, n, D, device):
     x, phi, alpha, bias = random_inputs(B, S, n, D, device)
     grads = (torch.randn(B, S, D, device=device).to(torch.bfloat16), torch.randn(B, S, n, device=device),
              torch.randn(B, S, n, n, device=device))
-    _, _, _, inv_rms, h_pre = mhc_forward_pre(x, phi, alpha, bias, return_aux=True)
-    return (x, phi, alpha, bias, inv_rms, h_pre), grads
+    aux = mhc_forward_pre(x, phi, alpha, bias, return_aux=True)[3:]  # inv_rms, h_pre, h_mix
+    return (x, phi, alpha, bias, *aux), grads
 
 
 def _compare(ref, out):
