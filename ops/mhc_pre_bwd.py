@@ -52,7 +52,8 @@ g_mix and phi are split into bf16 hi + lo parts for the tensor cores: hi*hi + hi
 import torch
 
 from ._runtime import check_int, check_tensor, compile_kernel, resolve_config, sm_count
-from .mhc_pre import _D_PAD, MHCForwardPreTileLang, _round_up, mhc_phi_split_kernel, phi_split_rows
+from .mhc_pre import (_D_PAD, _SMEM_BUDGET, MHCForwardPreTileLang, _round_up, mhc_phi_split_kernel,
+                      phi_split_rows)
 
 import tilelang.language as T  # noqa: E402  (after _runtime set the cache dir)
 
@@ -70,6 +71,22 @@ def _coef_cols(n: int) -> int:
     """Columns of the per-token coefficients [c, h_pre[0..n-1], zeros]: rows of a multiple of 16 bytes
     (a TMA box row)."""
     return _round_up(n + 1, 4)
+
+
+def _alpha_group(r, n: int):
+    """The alpha that scales row r of phi: 0 (h_pre rows), 1 (h_post rows), 2 (h_res rows)."""
+    return T.if_then_else(r < n, 0, T.if_then_else(r < 2 * n, 1, 2))
+
+
+def _grad_z(r, n: int, M: int, sig, p, g_post, g_res):
+    """d loss / d pre-activation z of row r (golden's g_z), sig = sigmoid(z); zero for the padding rows."""
+    return T.if_then_else(r < n, p * sig * (1 - sig), T.if_then_else(
+        r < 2 * n, 2 * g_post * sig * (1 - sig), T.if_then_else(r < M, g_res, T.float32(0))))
+
+
+def _x_coef(g_s, s, n: int, D: int):
+    """c, the coefficient of x in grad_x: d loss / d inv_rms times d inv_rms / d x = -s^3 x / (n*D)."""
+    return -g_s * s * s * s / (n * D)
 
 
 def mhc_pre_bwd_stats_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: bool = True,
@@ -152,16 +169,14 @@ def mhc_pre_bwd_stats_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: 
                 tok = t0 + t
                 ok = tok < num_tokens
                 s = T.if_then_else(ok, InvRms[T.min(tok, num_tokens - 1)], T.float32(0))
-                grp = T.if_then_else(r < n, 0, T.if_then_else(r < 2 * n, 1, 2))
+                grp = _alpha_group(r, n)
                 a = Alpha[grp]
                 m = T.if_then_else(r < M, mix2_s[t, T.min(r, NG - 1)] + mix2_s[t, NG + T.min(r, NG - 1)], T.float32(0))
                 sig = T.sigmoid(a * s * m + Bias[T.min(r, M - 1)])
-                g_pre = p_s[T.min(r, n - 1), t] * sig * (1 - sig) if has_g_in else T.float32(0)
-                g_post = (2 * GPost[T.min(tok, rows_post - 1), T.clamp(r - n, 0, n - 1)] * sig * (1 - sig)
-                          if has_g_post else T.float32(0))
-                g_res = GRes[T.min(tok, rows_res - 1), T.clamp(r - 2 * n, 0, n * n - 1)] if has_g_res else T.float32(0)
-                gz = T.if_then_else(ok and r < M, T.if_then_else(
-                    r < n, g_pre, T.if_then_else(r < 2 * n, g_post, g_res)), T.float32(0))
+                p = p_s[T.min(r, n - 1), t] if has_g_in else T.float32(0)
+                gp = GPost[T.min(tok, rows_post - 1), T.clamp(r - n, 0, n - 1)] if has_g_post else T.float32(0)
+                gr = GRes[T.min(tok, rows_res - 1), T.clamp(r - 2 * n, 0, n * n - 1)] if has_g_res else T.float32(0)
+                gz = T.if_then_else(ok, _grad_z(r, n, M, sig, p, gp, gr), T.float32(0))
                 if ok:
                     GMix[tok, r] = s * a * gz
                     if r < M:
@@ -174,7 +189,7 @@ def mhc_pre_bwd_stats_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: 
                 if tok < num_tokens:
                     s = InvRms[tok]
                     g_s = Alpha[0] * qsum_s[t, 0] + Alpha[1] * qsum_s[t, 1] + Alpha[2] * qsum_s[t, 2]
-                    Coef[tok, 0] = -g_s * s * s * s / (n * D)
+                    Coef[tok, 0] = _x_coef(g_s, s, n, D)
                     for j in coef_cols:
                         Coef[tok, j] = HPre[tok, j - 1] if j <= n else T.float32(0)
                     for g in T.unroll(3):
@@ -298,10 +313,15 @@ __device__ __forceinline__ void mhc_fence_acq_rel() { asm volatile("fence.acq_re
 """
 
 
+def _slices(D: int) -> int:
+    """The one pass's D-slices: one CTA each per token group."""
+    return -(-D // _OP_BLOCK)
+
+
 def one_pass(n: int, D: int) -> bool:
     """Whether the backward runs as one pass (`mhc_pre_bwd_one_pass`): n <= 4 (its rings fit shared memory)
     and one CTA per D-slice fits the GPU at once (D <= 8448 on 132 SMs), since the CTAs wait on each other."""
-    return n <= 4 and -(-D // _OP_BLOCK) <= sm_count()
+    return n <= 4 and _slices(D) <= sm_count()
 
 
 def mhc_pre_bwd_one_pass_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: bool = True,
@@ -468,7 +488,7 @@ def mhc_pre_bwd_one_pass_kernel(n: int, D: int, has_g_in: bool = True, has_g_pos
                     lane = tx % 32
                     c = (tx - 320 - 32 * W) // 32
                     r = lane  # NP = 32 for n <= 4: lane r owns row r of phi
-                    grp = T.if_then_else(r < n, 0, T.if_then_else(r < 2 * n, 1, 2))
+                    grp = _alpha_group(r, n)
                     a = Alpha[grp]
                     b = Bias[T.min(r, M - 1)]
                     for kk in T.serial(T.ceildiv(T.max(nrows - c, 0), C)):
@@ -483,9 +503,7 @@ def mhc_pre_bwd_one_pass_kernel(n: int, D: int, has_g_in: bool = True, has_g_pos
                         T.barrier_wait(pfull[c], kk % 2)
                         pr = sum(p_ring[c, w, T.min(r, n - 1)] for w in range(1, W)) + p_ring[c, 0, T.min(r, n - 1)]
                         T.barrier_arrive(pfree[c])
-                        sig = T.sigmoid(a * s * m + b)
-                        gz = T.if_then_else(r < n, pr * sig * (1 - sig), T.if_then_else(
-                            r < 2 * n, 2 * gp * sig * (1 - sig), T.if_then_else(r < M, gr, T.float32(0))))
+                        gz = _grad_z(r, n, M, T.sigmoid(a * s * m + b), pr, gp, gr)
                         gmix = s * a * gz
                         hi = T.cast(gmix, "bfloat16")
                         GMix[tok, 0, r] = hi
@@ -497,7 +515,7 @@ def mhc_pre_bwd_one_pass_kernel(n: int, D: int, has_g_in: bool = True, has_g_pos
                             for o in T.unroll(5):
                                 qv[g] += T.shfl_xor(qv[g], 16 >> o)
                         if lane == 0:
-                            Coef[tok, 0] = -(Alpha[0] * qv[0] + Alpha[1] * qv[1] + Alpha[2] * qv[2]) * s * s * s / (n * D)
+                            Coef[tok, 0] = _x_coef(Alpha[0] * qv[0] + Alpha[1] * qv[1] + Alpha[2] * qv[2], s, n, D)
                         elif lane < CW:
                             Coef[tok, lane] = T.if_then_else(lane <= n, hp, T.float32(0))
                         if lane < 3:
@@ -562,7 +580,7 @@ def grad_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: bool = True, 
 def _default_config(n: int, D: int) -> dict:
     if one_pass(n, D):  # as many token groups as keep every CTA resident (D = 4096: 2, D = 7168: 1)
         return {"block_t": _OP_BLOCK, "block_d": _OP_BLOCK,
-                "token_groups": min(64, sm_count() // -(-D // _OP_BLOCK)), "num_stages": 3}
+                "token_groups": min(64, sm_count() // _slices(D)), "num_stages": 3}
     # block_d keeps n*block_d a multiple of 64 (the grad_phi product's M over 8 warps) and shared
     # memory in bounds (n = 5 and 7 fit with no block_d, see MHCBackwardPreTileLang). num_stages is the
     # grad kernel's (the tunable one; the stats kernel takes 2 when they fit, see _stats_stages): one
@@ -620,9 +638,8 @@ class MHCBackwardPreTileLang:
             if cfg["num_stages"] < _OP_MIN_STAGES:
                 raise ValueError(f"config['num_stages']: expected >= {_OP_MIN_STAGES} for n={n} (the one-pass "
                                  f"kernel hands a stage back one tile late), got {cfg['num_stages']}")
-            ctas = -(-D // _OP_BLOCK) * cfg["token_groups"]
-            if ctas > sm_count():
-                raise ValueError(f"config['token_groups']: expected <= {sm_count() // -(-D // _OP_BLOCK)} for "
+            if _slices(D) * cfg["token_groups"] > sm_count():
+                raise ValueError(f"config['token_groups']: expected <= {sm_count() // _slices(D)} for "
                                  f"D={D} (the one pass needs every CTA resident), got {cfg['token_groups']}")
         need = _smem_bytes(n, D, cfg["block_t"], cfg["block_d"], cfg["num_stages"])
         if need > _smem_limit(n, D):
@@ -689,7 +706,6 @@ class MHCBackwardPreTileLang:
         g_post = self._placeholder(dev, (1, n), torch.float32) if grad_h_post is None else grad_h_post.view(tokens, n)
         g_res = (self._placeholder(dev, (1, n * n), torch.float32) if grad_h_res is None
                  else grad_h_res.view(tokens, n * n))
-        x2 = x.view(tokens, n * D)
         coef = torch.empty(tokens, _coef_cols(n), **f32)
         g_z, g_alpha = torch.empty(tokens, M, **f32), torch.empty(tokens, 3, **f32)
         grad_x = torch.empty(tokens, n, D, device=dev, dtype=torch.bfloat16)
@@ -700,7 +716,7 @@ class MHCBackwardPreTileLang:
             return None, (x.view(tokens, n, D), phi_hi, phi_lo, alpha, bias, inv_rms.view(tokens), h_pre.view(tokens, n),
                           h_mix.view(tokens, M), g_in, g_post, g_res, g_mix, coef, ready, g_z, g_alpha, grad_x,
                           part_phi_t)
-        g_mix = torch.empty(tokens, NP, **f32)
+        x2, g_mix = x.view(tokens, n * D), torch.empty(tokens, NP, **f32)
         # Each kernel's outputs come last: (g_z, g_alpha) and (grad_x, part_phi_t).
         stats_args = (x2, phi_hl.view(2 * NG, n * Dp), alpha, bias, inv_rms.view(tokens), h_pre.view(tokens, n),
                       g_in, g_post, g_res, g_mix, coef, g_z, g_alpha)
@@ -784,8 +800,9 @@ def _smem_bytes(n: int, D: int, block_t: int, block_d: int, num_stages: int) -> 
 
 
 def _smem_limit(n: int, D: int) -> int:
-    """Hopper's 227 KB per block less the one pass's static barriers, or the two kernels' margin."""
-    return 227 * 1024 - 1024 if one_pass(n, D) else _SMEM_LIMIT
+    """Hopper's opt-in shared memory per block less slack for the one pass (its model is exact), or the two
+    kernels' margin."""
+    return _SMEM_BUDGET if one_pass(n, D) else _SMEM_LIMIT
 
 
 class _MHCPre(torch.autograd.Function):
