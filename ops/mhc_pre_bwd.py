@@ -288,8 +288,11 @@ _OP_BLOCK = 64  # tokens per tile and bf16 columns per stream of a D-slice (one 
 _OP_THREADS = 512  # two consumer warpgroups; warps 8 (grad loads), 9 (row loads), 10-11 (dots), 12-15 (coefficients)
 _DOT_WARPS, _COEF_WARPS = 2, 4
 _ROW_COLS = 512  # columns of every stream per row chunk (two 256-column TMA boxes)
-_ROW_SLOTS = 8  # row chunks in flight per CTA (40 KB at n = 4): the row stream is bound by bytes in flight
-_LAG = 8  # token tiles the row role may run ahead of the grad role (their rows stay in L2 until re-read)
+_ROW_SLOTS = 8  # row chunks in flight per CTA (40 KB at n = 4; 12 or 16 were no faster, docs/perf.md)
+# The row role runs at most `lag` token tiles ahead of the grad role, and the rows it read stay in L2 until their
+# re-read: the largest lag <= 8 whose rows fit this budget. More lag hides the exchange, but held rows past ~35 MiB
+# start to miss L2 (H200, twenty-sixth session: at D = 4096 lag 6-7 beat 8 by 3%, at D = 7168 lag 8 beat 7).
+_ROW_L2_BUDGET = 36 << 20
 # A stage is handed back one tile after its own (once its grad_x stores have read it): with one stage the
 # producer would wait for a release that comes only after the next tile has landed.
 _OP_MIN_STAGES = 2
@@ -318,6 +321,13 @@ def _slices(D: int) -> int:
     return -(-D // _OP_BLOCK)
 
 
+def _lag(n: int, D: int, token_groups: int) -> int:
+    """Token tiles the one pass's row role may run ahead of its grad role (_ROW_L2_BUDGET). A resident grid
+    holds at most sm_count() * 64 columns, so one tile's rows stay near 5 MB on 132 SMs and the lag at 6 or more."""
+    tile_rows = token_groups * _OP_BLOCK * (n + 1) * D * 2  # x and g_in of one token tile of every group
+    return min(8, _ROW_L2_BUDGET // tile_rows)
+
+
 def one_pass(n: int, D: int) -> bool:
     """Whether the backward runs as one pass (`mhc_pre_bwd_one_pass`): n <= 4 (its rings fit shared memory)
     and one CTA per D-slice fits the GPU at once (D <= 8448 on 132 SMs), since the CTAs wait on each other."""
@@ -330,14 +340,14 @@ def mhc_pre_bwd_one_pass_kernel(n: int, D: int, has_g_in: bool = True, has_g_pos
     partials and the per-token g_z / grad_alpha terms. One persistent CTA per (D-slice, token group), all
     resident. Its grad role streams token tiles of its slice (x, g_in, g_mix, coefficients) by TMA into a ring
     of `num_stages` for two consumer warpgroups; its row role owns whole token rows (group start + slice +
-    k * slices), reads them from memory `_LAG` tiles ahead, reduces their dots, turns them into the
+    k * slices), reads them from memory `_lag` tiles ahead, reduces their dots, turns them into the
     coefficients and publishes them per tile, so the grad roles of every slice re-read x and g_in from L2."""
     block_t = block_d = _OP_BLOCK
     M, NG, NP, Dp, Dc = _dims(n, D, block_d)
     bk = n * block_d
     slices = Dc // block_d
     chunks = -(-D // _ROW_COLS)
-    C, W, lag, row_slots = _COEF_WARPS, _DOT_WARPS, _LAG, _ROW_SLOTS
+    C, W, lag, row_slots = _COEF_WARPS, _DOT_WARPS, _lag(n, D, token_groups), _ROW_SLOTS
     num_tokens = T.dynamic("num_tokens")
     rows_in, rows_post, rows_res = (num_tokens if has else 1 for has in (has_g_in, has_g_post, has_g_res))
     CW = _coef_cols(n)
