@@ -43,8 +43,9 @@ tile's TMA write) placed before every release, as do the one pass's dot warps; t
 epilogue ends in stores (the one pass's grad role hands a stage back only after a barrier and its TMA
 stores' reads).
 
-Token reductions (grad_phi over token groups, grad_bias, grad_alpha over tokens) are sums of per-CTA /
-per-token partials in a fixed order: bitwise reproducible, no float atomics.
+Token reductions (grad_phi over token groups, grad_bias, grad_alpha over tokens) are sums of per-CTA,
+per-coefficient-warp (one pass) or per-token (stats kernel) partials in a fixed order: bitwise reproducible, no
+float atomics. grad_phi's partials are summed and transposed by one small kernel (`phi_sum`).
 g_mix and phi are split into bf16 hi + lo parts for the tensor cores: hi*hi + hi*lo + lo*hi keeps
 ~16 mantissa bits, more than TF32.
 """
@@ -71,6 +72,12 @@ def _coef_cols(n: int) -> int:
     """Columns of the per-token coefficients [c, h_pre[0..n-1], zeros]: rows of a multiple of 16 bytes
     (a TMA box row)."""
     return _round_up(n + 1, 4)
+
+
+def _term_cols(n: int) -> int:
+    """Columns of the grad_bias / grad_alpha terms summed over tokens: g_z of each row of phi, then the three
+    alpha terms."""
+    return n * n + 2 * n + 3
 
 
 def _alpha_group(r, n: int):
@@ -114,8 +121,7 @@ def mhc_pre_bwd_stats_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: 
         GRes: T.Tensor((rows_res, n * n), "float32"),
         GMix: T.Tensor((num_tokens, NP), "float32"),
         Coef: T.Tensor((num_tokens, CW), "float32"),
-        GZ: T.Tensor((num_tokens, M), "float32"),
-        GAlpha: T.Tensor((num_tokens, 3), "float32"),
+        Terms: T.Tensor((num_tokens, M + 3), "float32"),
     ):
         with T.Kernel(T.ceildiv(num_tokens, block_t), threads=threads) as bx:
             t0 = bx * block_t
@@ -180,7 +186,7 @@ def mhc_pre_bwd_stats_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: 
                 if ok:
                     GMix[tok, r] = s * a * gz
                     if r < M:
-                        GZ[tok, r] = gz
+                        Terms[tok, r] = gz
                         q_s[t, grp * n * n + T.if_then_else(grp == 2, r - 2 * n, r - grp * n)] = gz * m
             for t, g in T.Parallel(block_t, 3):
                 qsum_s[t, g] = sum(q_s[t, g * n * n + r] for r in range(n * n))
@@ -193,7 +199,7 @@ def mhc_pre_bwd_stats_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: 
                     for j in coef_cols:
                         Coef[tok, j] = HPre[tok, j - 1] if j <= n else T.float32(0)
                     for g in T.unroll(3):
-                        GAlpha[tok, g] = s * qsum_s[t, g]
+                        Terms[tok, M + g] = s * qsum_s[t, g]
 
     return mhc_pre_bwd_stats
 
@@ -284,6 +290,30 @@ def mhc_pre_bwd_grad_kernel(n: int, D: int, has_g_in: bool = True, token_groups:
     return mhc_pre_bwd_grad
 
 
+def mhc_pre_bwd_phi_sum_kernel(n: int, D: int, token_groups: int, block_d: int, cols: int = 64,
+                               threads: int = 128):
+    """grad_phi [M, n*D] from the grad kernels' per-token-group partials of its transpose, summed in group
+    order (deterministic); through shared memory so that both the reads and the writes are whole rows."""
+    M, _, NP, _, Dc = _dims(n, D, block_d)
+
+    @T.prim_func
+    def mhc_pre_bwd_phi_sum(
+        PartPhiT: T.Tensor((token_groups, n, Dc, NP), "float32"),
+        GradPhi: T.Tensor((M, n * D), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(D, cols), n, threads=threads) as (bx, i):
+            k0 = bx * cols
+            tile = T.alloc_shared((cols, NP), "float32")
+            for k, r in T.Parallel(cols, NP):
+                kk = T.min(k0 + k, Dc - 1)
+                tile[k, r] = sum((PartPhiT[g, i, kk, r] for g in range(1, token_groups)), PartPhiT[0, i, kk, r])
+            for r, k in T.Parallel(M, cols):
+                if k0 + k < D:
+                    GradPhi[r, i * D + k0 + k] = tile[k, r]
+
+    return mhc_pre_bwd_phi_sum
+
+
 _OP_BLOCK = 64  # tokens per tile and bf16 columns per stream of a D-slice (one 128-byte swizzle band)
 _OP_THREADS = 512  # two consumer warpgroups; warps 8 (grad loads), 9 (row loads), 10-11 (dots), 12-15 (coefficients)
 _DOT_WARPS, _COEF_WARPS = 2, 4
@@ -337,11 +367,12 @@ def one_pass(n: int, D: int) -> bool:
 def mhc_pre_bwd_one_pass_kernel(n: int, D: int, has_g_in: bool = True, has_g_post: bool = True,
                                 has_g_res: bool = True, token_groups: int = 2, num_stages: int = 3):
     """The whole backward in one launch for n <= 4 (module docstring): grad_x, per-token-group grad_phi^T
-    partials and the per-token g_z / grad_alpha terms. One persistent CTA per (D-slice, token group), all
-    resident. Its grad role streams token tiles of its slice (x, g_in, g_mix, coefficients) by TMA into a ring
-    of `num_stages` for two consumer warpgroups; its row role owns whole token rows (group start + slice +
-    k * slices), reads them from memory `_lag` tiles ahead, reduces their dots, turns them into the
-    coefficients and publishes them per tile, so the grad roles of every slice re-read x and g_in from L2."""
+    partials and the g_z / grad_alpha terms summed per coefficient warp (M + 3 <= 27 lanes). One persistent
+    CTA per (D-slice, token group), all resident. Its grad role streams token tiles of its slice (x, g_in,
+    g_mix, coefficients) by TMA into a ring of `num_stages` for two consumer warpgroups; its row role owns
+    whole token rows (group start + slice + k * slices), reads them from memory `_lag` tiles ahead, reduces
+    their dots, turns them into the coefficients and publishes them per tile, so the grad roles of every
+    slice re-read x and g_in from L2."""
     block_t = block_d = _OP_BLOCK
     M, NG, NP, Dp, Dc = _dims(n, D, block_d)
     bk = n * block_d
@@ -375,8 +406,7 @@ def mhc_pre_bwd_one_pass_kernel(n: int, D: int, has_g_in: bool = True, has_g_pos
         GMix: T.Tensor((num_tokens, 2, NP), "bfloat16"),
         Coef: T.Tensor((num_tokens, CW), "float32"),
         Ready: T.Tensor((T.ceildiv(num_tokens, block_t),), "int32"),
-        GZ: T.Tensor((num_tokens, M), "float32"),
-        GAlpha: T.Tensor((num_tokens, 3), "float32"),
+        Terms: T.Tensor((token_groups * slices * C, M + 3), "float32"),
         GradX: T.Tensor((num_tokens, n, D), "bfloat16"),
         PartPhiT: T.Tensor((token_groups, n, Dc, NP), "float32"),
     ):
@@ -404,6 +434,7 @@ def mhc_pre_bwd_one_pass_kernel(n: int, D: int, has_g_in: bool = True, has_g_pos
             gphi = T.alloc_fragment((bk, NP), "float32")
             acc = T.alloc_local((n,), "float32")
             qv = T.alloc_local((3,), "float32")
+            zt = T.alloc_local((4,), "float32")  # a coefficient warp's sums: g_z of row `lane`, the alpha terms
             gv = T.alloc_local((8,), "bfloat16")
             xv = T.alloc_local((8,), "bfloat16")
             tx = T.get_thread_binding()
@@ -501,6 +532,8 @@ def mhc_pre_bwd_one_pass_kernel(n: int, D: int, has_g_in: bool = True, has_g_pos
                     grp = _alpha_group(r, n)
                     a = Alpha[grp]
                     b = Bias[T.min(r, M - 1)]
+                    for i in T.unroll(4):
+                        zt[i] = T.float32(0)
                     for kk in T.serial(T.ceildiv(T.max(nrows - c, 0), C)):
                         k = c + kk * C
                         tok = g_lo + bx + k * slices
@@ -518,22 +551,28 @@ def mhc_pre_bwd_one_pass_kernel(n: int, D: int, has_g_in: bool = True, has_g_pos
                         hi = T.cast(gmix, "bfloat16")
                         GMix[tok, 0, r] = hi
                         GMix[tok, 1, r] = T.cast(gmix - T.cast(hi, "float32"), "bfloat16")
-                        if r < M:
-                            GZ[tok, r] = gz
+                        zt[0] += gz
                         for g in T.unroll(3):
                             qv[g] = T.if_then_else(grp == g, gz * m, T.float32(0))
                             for o in T.unroll(5):
                                 qv[g] += T.shfl_xor(qv[g], 16 >> o)
+                            zt[1 + g] += s * qv[g]
                         if lane == 0:
                             Coef[tok, 0] = _x_coef(Alpha[0] * qv[0] + Alpha[1] * qv[1] + Alpha[2] * qv[2], s, n, D)
                         elif lane < CW:
                             Coef[tok, lane] = T.if_then_else(lane <= n, hp, T.float32(0))
-                        if lane < 3:
-                            GAlpha[tok, lane] = s * T.if_then_else(lane == 0, qv[0], T.if_then_else(lane == 1, qv[1], qv[2]))
                         T.call_extern("handle", "mhc_fence_acq_rel")  # each writing lane: its stores first
                         T.sync_warp()
                         if lane == 0:
                             T.call_extern("handle", "mhc_publish", T.address_of(Ready[tok // block_t]))
+                    # Summed over this warp's tokens in their fixed order, so the op's sum over warps is
+                    # deterministic; a warp without tokens writes zeros.
+                    row = (by * slices + bx) * C + c
+                    if lane < M:
+                        Terms[row, lane] = zt[0]
+                    elif lane < M + 3:
+                        Terms[row, lane] = T.if_then_else(lane == M, zt[1],
+                                                          T.if_then_else(lane == M + 1, zt[2], zt[3]))
             else:  # consumer warpgroups: the grad role
                 T.set_max_nreg(200, 1)
                 for r, k in T.Parallel(NP, bk):
@@ -656,6 +695,7 @@ class MHCBackwardPreTileLang:
             raise ValueError(f"config: {cfg} needs about {need} bytes of shared memory for n={n}, "
                              f"over {_smem_limit(n, D)}")
         self._split = compile_kernel(mhc_phi_split_kernel(n, D))
+        self._phi_sum = compile_kernel(mhc_pre_bwd_phi_sum_kernel(n, D, cfg["token_groups"], cfg["block_d"]))
         self._stats, self._grad = {}, {}
         self._kernels(True, True, True)
         self._placeholders = {}
@@ -717,19 +757,19 @@ class MHCBackwardPreTileLang:
         g_res = (self._placeholder(dev, (1, n * n), torch.float32) if grad_h_res is None
                  else grad_h_res.view(tokens, n * n))
         coef = torch.empty(tokens, _coef_cols(n), **f32)
-        g_z, g_alpha = torch.empty(tokens, M, **f32), torch.empty(tokens, 3, **f32)
         grad_x = torch.empty(tokens, n, D, device=dev, dtype=torch.bfloat16)
         part_phi_t = torch.empty(cfg["token_groups"], n, Dc, NP, **f32)
         if one_pass(n, D):
             g_mix = torch.empty(tokens, 2, NP, device=dev, dtype=torch.bfloat16)  # bf16 hi, lo
             ready = torch.zeros(-(-tokens // _OP_BLOCK), device=dev, dtype=torch.int32)  # per-tile counts
+            # One row of terms per coefficient warp.
+            terms = torch.empty(cfg["token_groups"] * _slices(D) * _COEF_WARPS, _term_cols(n), **f32)
             return None, (x.view(tokens, n, D), phi_hi, phi_lo, alpha, bias, inv_rms.view(tokens), h_pre.view(tokens, n),
-                          h_mix.view(tokens, M), g_in, g_post, g_res, g_mix, coef, ready, g_z, g_alpha, grad_x,
-                          part_phi_t)
+                          h_mix.view(tokens, M), g_in, g_post, g_res, g_mix, coef, ready, terms, grad_x, part_phi_t)
         x2, g_mix = x.view(tokens, n * D), torch.empty(tokens, NP, **f32)
-        # Each kernel's outputs come last: (g_z, g_alpha) and (grad_x, part_phi_t).
+        # Each kernel's outputs come last: terms (per token) and (grad_x, part_phi_t).
         stats_args = (x2, phi_hl.view(2 * NG, n * Dp), alpha, bias, inv_rms.view(tokens), h_pre.view(tokens, n),
-                      g_in, g_post, g_res, g_mix, coef, g_z, g_alpha)
+                      g_in, g_post, g_res, g_mix, coef, torch.empty(tokens, _term_cols(n), **f32))
         return stats_args, (x2, phi_hi, phi_lo, g_in, g_mix, coef, grad_x, part_phi_t)
 
     def tune_args(self, x, phi, alpha, bias, inv_rms, h_pre, h_mix, grad_h_in=None, grad_h_post=None,
@@ -759,11 +799,13 @@ class MHCBackwardPreTileLang:
         if stats is not None:
             stats(*stats_args)
         grad(*grad_args)
-        g_z, g_alpha = grad_args[-4:-2] if stats is None else stats_args[-2:]
+        terms = grad_args[-3] if stats is None else stats_args[-1]
         grad_x, part_phi_t = grad_args[-2:]
-        # Fixed-order sums of the per-group / per-token partials (deterministic).
-        grad_phi = part_phi_t.sum(0)[:, :D, :M].permute(2, 0, 1).reshape(M, n * D)
-        return grad_x.view(B, S, n, D), grad_phi, g_alpha.sum(0), g_z.sum(0)
+        # Fixed-order sums of the per-group and per-warp (or per-token) partials: deterministic.
+        grad_phi = torch.empty(M, n * D, device=x.device, dtype=torch.float32)
+        self._phi_sum(part_phi_t, grad_phi)
+        sums = terms.sum(0)
+        return grad_x.view(B, S, n, D), grad_phi, sums[M:], sums[:M]
 
 
 _SMEM_LIMIT = 220 * 1024
