@@ -74,12 +74,6 @@ def _coef_cols(n: int) -> int:
     return _round_up(n + 1, 4)
 
 
-def _term_cols(n: int) -> int:
-    """Columns of the grad_bias / grad_alpha terms summed over tokens: g_z of each row of phi, then the three
-    alpha terms."""
-    return n * n + 2 * n + 3
-
-
 def _alpha_group(r, n: int):
     """The alpha that scales row r of phi: 0 (h_pre rows), 1 (h_post rows), 2 (h_res rows)."""
     return T.if_then_else(r < n, 0, T.if_then_else(r < 2 * n, 1, 2))
@@ -762,14 +756,14 @@ class MHCBackwardPreTileLang:
         if one_pass(n, D):
             g_mix = torch.empty(tokens, 2, NP, device=dev, dtype=torch.bfloat16)  # bf16 hi, lo
             ready = torch.zeros(-(-tokens // _OP_BLOCK), device=dev, dtype=torch.int32)  # per-tile counts
-            # One row of terms per coefficient warp.
-            terms = torch.empty(cfg["token_groups"] * _slices(D) * _COEF_WARPS, _term_cols(n), **f32)
+            # One row of terms (g_z of each row of phi, then the three alpha terms) per coefficient warp.
+            terms = torch.empty(cfg["token_groups"] * _slices(D) * _COEF_WARPS, M + 3, **f32)
             return None, (x.view(tokens, n, D), phi_hi, phi_lo, alpha, bias, inv_rms.view(tokens), h_pre.view(tokens, n),
                           h_mix.view(tokens, M), g_in, g_post, g_res, g_mix, coef, ready, terms, grad_x, part_phi_t)
         x2, g_mix = x.view(tokens, n * D), torch.empty(tokens, NP, **f32)
         # Each kernel's outputs come last: terms (per token) and (grad_x, part_phi_t).
         stats_args = (x2, phi_hl.view(2 * NG, n * Dp), alpha, bias, inv_rms.view(tokens), h_pre.view(tokens, n),
-                      g_in, g_post, g_res, g_mix, coef, torch.empty(tokens, _term_cols(n), **f32))
+                      g_in, g_post, g_res, g_mix, coef, torch.empty(tokens, M + 3, **f32))
         return stats_args, (x2, phi_hi, phi_lo, g_in, g_mix, coef, grad_x, part_phi_t)
 
     def tune_args(self, x, phi, alpha, bias, inv_rms, h_pre, h_mix, grad_h_in=None, grad_h_post=None,
