@@ -13,23 +13,52 @@ groups of m), the chain rule gives, from the output gradients g_in [D], g_post [
     grad_phi   = sum_tokens g_m (x) v
     grad_bias  = sum_tokens g_z
     grad_alpha = sum_tokens sum_{j in group} g_z_j * s * m_j
+
+With ``sinkhorn_iters`` >= 1 the h_res output is the Sinkhorn projection of the logits z_res, and g_res above is
+d loss / d z_res: ``sinkhorn_backward`` carries the output gradient back through the normalizations (reverse
+mode, the recurrence the kernel runs, see docs/design/mhc.md):
+    x' = x / d, d = (sums of x along the axis) + hc_eps:   g_x = (g_x' - (sums of g_x' * x' along the axis)) / d
+    c = softmax(z) + hc_eps:                                g_z = c0 * (g_c - sum_k g_c,k * c0_k),  c0 = softmax(z)
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from golden.mhc_pre import mhc_forward_pre
 
 
+def sinkhorn_backward(logits: torch.Tensor, grad_comb: torch.Tensor, iters: int,
+                      hc_eps: float = 1e-6) -> torch.Tensor:
+    """d loss / d logits [..., n, n] of ``golden.mhc_pre.sinkhorn(logits, iters, hc_eps)`` from d loss / d comb,
+    by the reverse recurrence of the module docstring (every intermediate kept here; the kernel recomputes
+    them instead)."""
+    soft = torch.softmax(logits, dim=-1)
+    comb = soft + hc_eps
+    steps = []  # (axis, output, denominators) of every normalization, in forward order
+    for k in range(2 * iters - 1):
+        axis = -2 if k % 2 == 0 else -1  # columns first, then rows and columns alternately
+        den = comb.sum(dim=axis, keepdim=True) + hc_eps
+        comb = comb / den
+        steps.append((axis, comb, den))
+    g = grad_comb.to(comb.dtype)
+    for axis, out, den in reversed(steps):
+        g = (g - (g * out).sum(dim=axis, keepdim=True)) / den
+    return soft * (g - (g * soft).sum(dim=-1, keepdim=True))
+
+
 def mhc_backward_pre(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor,
                      grad_h_in: torch.Tensor | None = None, grad_h_post: torch.Tensor | None = None,
-                     grad_h_res: torch.Tensor | None = None, rms_eps: float = 1e-6, hc_eps: float = 1e-6):
-    """Closed-form gradients of ``mhc_forward_pre`` -> (grad_x in x's dtype, grad_phi, grad_alpha,
-    grad_bias) in the compute dtype (fp32, fp64 if any input is fp64). A ``None`` output gradient is
-    zero. ``hc_eps`` only shifts h_pre, so it does not enter the gradients; it is accepted for symmetry."""
-    B, S, n, D = x.shape
-    K, N = n * D, B * S
+                     grad_h_res: torch.Tensor | None = None, rms_eps: float = 1e-6, hc_eps: float = 1e-6,
+                     sinkhorn_iters: int = 0):
+    """Closed-form gradients of ``mhc_forward_pre`` (x [..., n, D]) -> (grad_x in x's dtype, grad_phi,
+    grad_alpha, grad_bias) in the compute dtype (fp32, fp64 if any input is fp64). A ``None`` output gradient
+    is zero. With ``sinkhorn_iters`` >= 1, ``grad_h_res`` is the gradient of comb, carried back to the logits by
+    ``sinkhorn_backward``; ``hc_eps`` enters only there (elsewhere it only shifts h_pre)."""
+    *lead, n, D = x.shape
+    K, N = n * D, math.prod(lead)
     acc = torch.float64 if torch.float64 in (x.dtype, phi.dtype) else torch.float32
     v = x.to(acc).reshape(N, K)
     phi, alpha, bias = phi.to(acc), alpha.to(acc), bias.to(acc)
@@ -42,6 +71,10 @@ def mhc_backward_pre(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bi
     g_in = grad_or_zero(grad_h_in, (N, D))
     g_post = grad_or_zero(grad_h_post, (N, n))
     g_res = grad_or_zero(grad_h_res, (N, n * n))
+    if sinkhorn_iters and grad_h_res is not None:
+        logits = alpha[2] * s[:, None] * m[:, 2 * n:] + bias[2 * n:]
+        g_res = sinkhorn_backward(logits.reshape(N, n, n), g_res.reshape(N, n, n), sinkhorn_iters,
+                                  hc_eps).reshape(N, n * n)
 
     sig_pre = torch.sigmoid(alpha[0] * s[:, None] * m[:, :n] + bias[:n])
     sig_post = torch.sigmoid(alpha[1] * s[:, None] * m[:, n:2 * n] + bias[n:2 * n])
@@ -58,17 +91,17 @@ def mhc_backward_pre(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bi
     grad_bias = g_z.sum(dim=0)
     per_group = (g_z * s[:, None] * m).sum(dim=0)
     grad_alpha = torch.zeros(3, dtype=acc, device=x.device).index_add_(0, group, per_group)
-    return grad_v.reshape(B, S, n, D).to(x.dtype), grad_phi, grad_alpha, grad_bias
+    return grad_v.reshape(x.shape).to(x.dtype), grad_phi, grad_alpha, grad_bias
 
 
 def mhc_backward_pre_autograd(x: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor,
                               grad_h_in: torch.Tensor | None = None, grad_h_post: torch.Tensor | None = None,
                               grad_h_res: torch.Tensor | None = None, rms_eps: float = 1e-6,
-                              hc_eps: float = 1e-6, dtype: torch.dtype = torch.float32):
+                              hc_eps: float = 1e-6, dtype: torch.dtype = torch.float32, sinkhorn_iters: int = 0):
     """The same gradients by torch autograd through the golden forward, on inputs upcast to ``dtype``
     (the reference the compiled backward is checked and timed against)."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (x, phi, alpha, bias)]
-    outs = mhc_forward_pre(*leaves, rms_eps=rms_eps, hc_eps=hc_eps)
+    outs = mhc_forward_pre(*leaves, rms_eps=rms_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters)
     pairs = [(o, g.to(dtype)) for o, g in zip(outs, (grad_h_in, grad_h_post, grad_h_res)) if g is not None]
     grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads))

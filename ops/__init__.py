@@ -1,12 +1,23 @@
-"""TileLang GPU operators for long-context LLMs. Each op class validates its inputs and launches a
-kernel built (or loaded from the disk cache) at construction; see ``golden`` for the semantics."""
+"""TileLang GPU operators for long-context LLMs (Hopper, sm_90a).
 
-from . import _runtime  # noqa: F401  (points TileLang's cache at ours before TileLang is imported)
-from .mhc_pre import MHCForwardPreTileLang
-from .mhc_pre_bwd import MHCBackwardPreTileLang, mhc_pre
-from .hsa_decode import HSADecodeTileLang, HSAPageReprTileLang
-from .htree import HTreeForwardTileLang
-from .paged_prefill import PagedAttentionPrefillTileLang
+A package per operator (``ops.mhc``, ``ops.paged_prefill``, ``ops.hsa``, ``ops.htree``), each with op
+classes built for one specialization (kernels compiled at construction or loaded from the disk cache)
+and functional forms registered as ``torch.library`` custom ops (namespace ``llm_tile_ops``), which
+``torch.compile`` traces without graph breaks. The semantics of each op are defined by its readable
+reference in ``golden``; the shared machinery (runtime, validation, op protocol) is in ``ops.common``.
+"""
 
-__all__ = ["MHCForwardPreTileLang", "MHCBackwardPreTileLang", "mhc_pre", "PagedAttentionPrefillTileLang",
-           "HSADecodeTileLang", "HSAPageReprTileLang", "HTreeForwardTileLang"]
+from .common import runtime  # noqa: F401  (sets up the kernel cache before any kernel module imports TileLang)
+from .hsa import HSADecodeTileLang, HSAPageReprTileLang, hsa_decode, hsa_page_repr, hsa_select
+from .htree import HTreeForwardTileLang, htree_attention
+from .mhc import (MHCBackwardPreTileLang, MHCForwardPreTileLang, MHCPostBackwardTileLang, MHCPostPreTileLang,
+                  MHCPostTileLang, mhc_post, mhc_post_pre, mhc_pre)
+from .paged_prefill import PagedAttentionPrefillTileLang, paged_attention_prefill
+
+__all__ = [
+    "MHCForwardPreTileLang", "MHCBackwardPreTileLang", "mhc_pre",
+    "MHCPostTileLang", "MHCPostBackwardTileLang", "mhc_post", "MHCPostPreTileLang", "mhc_post_pre",
+    "PagedAttentionPrefillTileLang", "paged_attention_prefill",
+    "HSADecodeTileLang", "HSAPageReprTileLang", "hsa_decode", "hsa_select", "hsa_page_repr",
+    "HTreeForwardTileLang", "htree_attention",
+]

@@ -17,7 +17,6 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import ops  # noqa: E402,F401  (sets up the kernel cache before TileLang is imported)
 import torch  # noqa: E402
 
 from scripts import workloads  # noqa: E402
@@ -91,6 +90,8 @@ class Bench:
         self._plot(out_dir / "bench.png")
 
     def _plot(self, path: pathlib.Path) -> None:
+        if not self.rows:
+            return
         import matplotlib
 
         matplotlib.use("Agg")
@@ -112,10 +113,13 @@ class Bench:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--op", action="append", help="operator module(s) under scripts/workloads (default: all)")
+    parser.add_argument("--op", action="append", help=f"workload(s) to run, from {workloads.names()} (default: all)")
     parser.add_argument("--quick", action="store_true", help="smallest workloads, skip slow peers")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for bench.json / bench.png")
     args = parser.parse_args()
+    unknown = sorted(set(args.op or ()) - set(workloads.names()))
+    if unknown:
+        parser.error(f"--op: expected names from {workloads.names()}, got {unknown}")
     if not torch.cuda.is_available():
         sys.exit("scripts/bench.py times kernels and needs an NVIDIA GPU.")
     b = Bench(quick=args.quick)

@@ -14,7 +14,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from ops import _runtime  # noqa: E402  (sets up the kernel cache before TileLang is imported)
+from ops.common import runtime  # noqa: E402  (sets up the kernel cache before TileLang is imported)
 import torch  # noqa: E402
 
 from scripts import workloads  # noqa: E402
@@ -33,7 +33,7 @@ def _time_ms(fn, device):
 
 def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    print(f"target {_runtime.target()}, kernel cache {_runtime.CACHE_DIR}")
+    print(f"target {runtime.target()}, kernel cache {runtime.CACHE_DIR}")
     rows = []
     for mod in workloads.modules():
         start = time.perf_counter()

@@ -3,7 +3,7 @@ import contextlib
 import pytest
 import torch
 
-import ops._runtime  # noqa: F401  (sets the kernel cache dir before any test imports TileLang)
+import ops  # noqa: F401  (sets the kernel cache dir before any test imports TileLang)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from golden.hsa_decode import hsa_decode, page_repr, random_case, select_pages
-from ops.hsa_decode import _ZCOLS, HSADecodeTileLang, HSAPageReprTileLang, _num_splits
+from ops.common.validate import check_values
+from ops.hsa import HSADecodeTileLang, HSAPageReprTileLang
+from ops.hsa.schedule import ZCOLS, num_splits
 
 
 # ----------------------------------------------------------------------------- float64 definition
@@ -250,24 +252,23 @@ def test_call_rejects_before_launch(small_op, bad, err, match):
 @pytest.mark.compile
 def test_value_checks(small_op):
     """The host-sync checks, on CPU tensors through the op's own check list."""
-    from ops.hsa_decode import _check_values
     inputs = _good_call()
     pt, sl = inputs["page_table"], inputs["seq_lens"]
     num_pages = inputs["chunk_repr"].shape[0]
-    _check_values(small_op._value_checks(pt, sl, num_pages))
+    check_values(small_op._value_checks(pt, sl, num_pages))
     for bad_sl, match in [([0, 70], "seq_len 0 is an error"), ([40, 81], "seq_lens: expected values in")]:
         with pytest.raises(ValueError, match=match):
-            _check_values(small_op._value_checks(pt, torch.tensor(bad_sl, dtype=torch.int32), num_pages))
+            check_values(small_op._value_checks(pt, torch.tensor(bad_sl, dtype=torch.int32), num_pages))
     bad_pt = pt.clone()
     bad_pt[1, 4] = num_pages
     with pytest.raises(ValueError, match="page_table: expected the pages"):
-        _check_values(small_op._value_checks(bad_pt, sl, num_pages))
+        check_values(small_op._value_checks(bad_pt, sl, num_pages))
     bad_pt[1, 4] = -1  # a -1 inside the request's pages is out of range too
     with pytest.raises(ValueError, match="page_table: expected the pages"):
-        _check_values(small_op._value_checks(bad_pt, sl, num_pages))
+        check_values(small_op._value_checks(bad_pt, sl, num_pages))
     bad_pt = pt.clone()
     bad_pt[0, 4] = 10 ** 6  # past request 0's pages: never read, accepted
-    _check_values(small_op._value_checks(bad_pt, sl, num_pages))
+    check_values(small_op._value_checks(bad_pt, sl, num_pages))
 
 
 # ----------------------------------------------------------------------------- compile-only (sm_90a)
@@ -292,11 +293,11 @@ def test_num_splits_fills_whole_waves(batch, splits):
     """Bench shape (73 items: 64 selected + up to 9 local pages), 132 SMs x 4 CTAs: (b)'s 8 requests get
     one wave of 9-10 items per split, not 10 splits of 8 (1.2 waves)."""
     rows, slots = batch * 8, 132 * 4
-    s = _num_splits(rows, 73, slots, 2)
-    assert s == splits and -(-73 // s) <= _ZCOLS
-    assert _num_splits(rows, 73, slots, 0) >= s  # no fixed cost: more, shorter splits
+    s = num_splits(rows, 73, slots, 2)
+    assert s == splits and -(-73 // s) <= ZCOLS
+    assert num_splits(rows, 73, slots, 0) >= s  # no fixed cost: more, shorter splits
     for rows_, items in [(8, 1000), (4096, 73), (4096, 1000)]:  # a split never exceeds the z tile
-        assert -(-items // _num_splits(rows_, items, slots, 2)) <= _ZCOLS
+        assert -(-items // num_splits(rows_, items, slots, 2)) <= ZCOLS
 
 
 @pytest.mark.compile
@@ -304,3 +305,93 @@ def test_num_splits_fills_whole_waves(batch, splits):
 def test_page_repr_compiles(mode, dtype):
     op = HSAPageReprTileLang(8, 128, 64, dtype, mode)
     assert "__global__" in op.kernel.get_kernel_source()
+
+
+# ----------------------------------------------------------------------------- protocol, scale, custom ops
+def test_protocol():
+    import inspect
+
+    from ops.common.protocol import Op, op_class
+
+    for cls, name in ((HSADecodeTileLang, "hsa_decode"), (HSAPageReprTileLang, "hsa_page_repr")):
+        assert issubclass(cls, Op) and cls.op_name == name and op_class(name) is cls
+        assert cls.warm_specs and cls.config_space({}) == [] and cls.tunable_kernel({}) is None
+        for spec in cls.warm_specs:  # constructor keyword sets (not built here)
+            inspect.signature(cls).bind(**spec)
+    assert HSADecodeTileLang.default_config({}) == {"split_overhead": 2}
+    assert {s["combine"] for s in HSADecodeTileLang.warm_specs} == {"softmax", "token"}
+
+
+@pytest.mark.parametrize("scale, err", [("0.1", TypeError), (True, TypeError), (float("nan"), ValueError),
+                                        (float("inf"), ValueError), (-0.1, ValueError)])
+def test_constructor_rejects_scale(scale, err):
+    with pytest.raises(err, match="scale"):
+        HSADecodeTileLang(**GOOD, scale=scale)
+
+
+def _meta_case(B=3, Hq=8, Hkv=2, D=64, ps=16, max_pages=10, num_pages=40, dtype=torch.bfloat16):
+    m = dict(device="meta")
+    return dict(q=torch.empty(B, Hq, D, dtype=dtype, **m),
+                k_buffer=torch.empty(num_pages * ps, Hkv, D, dtype=dtype, **m),
+                v_buffer=torch.empty(num_pages * ps, Hkv, D, dtype=dtype, **m),
+                page_table=torch.empty(B, max_pages, dtype=torch.int32, **m),
+                seq_lens=torch.empty(B, dtype=torch.int32, **m),
+                chunk_repr=torch.empty(num_pages, Hkv, D, dtype=dtype, **m),
+                repr_valid=torch.empty(num_pages, dtype=torch.bool, **m))
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_custom_op_fakes_on_meta(given):
+    """The fakes give shapes and dtypes on meta tensors without building or launching anything."""
+    import ops.hsa as hsa_ops
+
+    t = _meta_case()
+    sel = torch.empty(3, 2, 5, dtype=torch.int32, device="meta") if given else None
+    o = torch.ops.llm_tile_ops.hsa_decode(*t.values(), sel, page_size=16, topk=5, window_size=20,
+                                          combine="token", scale=0.2, validate=False)
+    assert o.shape == (3, 8, 64) and o.dtype == torch.bfloat16 and o.device.type == "meta"
+    o = hsa_ops.hsa_decode(*t.values(), selected_page_ids=sel, page_size=16, topk=5)
+    assert o.shape == (3, 8, 64) and o.dtype == torch.bfloat16
+    args = [t[k] for k in ("q", "page_table", "seq_lens", "chunk_repr")]
+    for ids, scores in (torch.ops.llm_tile_ops.hsa_select(*args, t["repr_valid"], page_size=16, topk=5,
+                                                          selection_strategy="head", validate=False),
+                        hsa_ops.hsa_select(*args, page_size=16, topk=5)):
+        assert ids.shape == scores.shape == (3, 2, 5)
+        assert ids.dtype == torch.int32 and scores.dtype == torch.float32 and ids.device.type == "meta"
+    page_ids = torch.empty(7, dtype=torch.int32, device="meta")
+    assert torch.ops.llm_tile_ops.hsa_page_repr(t["k_buffer"], page_ids, t["chunk_repr"], page_size=16,
+                                                repr_mode="last") is None
+    assert hsa_ops.hsa_page_repr(t["k_buffer"], page_ids, t["chunk_repr"], page_size=16) is t["chunk_repr"]
+
+
+def test_custom_op_fakes_under_fake_tensor_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        t = {k: mode.from_tensor(torch.empty(v.shape, dtype=v.dtype))
+             for k, v in _meta_case(dtype=torch.float16).items()}
+        o = torch.ops.llm_tile_ops.hsa_decode(*t.values(), page_size=16, topk=4)
+        ids, scores = torch.ops.llm_tile_ops.hsa_select(t["q"], t["page_table"], t["seq_lens"], t["chunk_repr"],
+                                                        page_size=16, topk=4)
+    assert o.shape == (3, 8, 64) and o.dtype == torch.float16
+    assert ids.shape == scores.shape == (3, 2, 4) and (ids.dtype, scores.dtype) == (torch.int32, torch.float32)
+
+
+def test_custom_op_schemas():
+    """Mutation and outputs as declared: hsa_page_repr writes chunk_repr in place and returns nothing."""
+    schema = torch.ops.llm_tile_ops.hsa_page_repr.default._schema
+    assert [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write] == ["chunk_repr"]
+    assert len(schema.returns) == 0
+    for name in ("hsa_decode", "hsa_select"):
+        schema = getattr(torch.ops.llm_tile_ops, name).default._schema
+        assert not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        assert "validate" in [a.name for a in schema.arguments]
+
+
+@pytest.mark.compile
+def test_call_rejects_non_bool_validate(small_op):
+    inputs = _good_call()
+    with pytest.raises(TypeError, match="validate"):
+        small_op(**inputs, validate=1)
+    with pytest.raises(TypeError, match="validate"):
+        small_op.select(inputs["q"], inputs["page_table"], inputs["seq_lens"], inputs["chunk_repr"], validate=None)

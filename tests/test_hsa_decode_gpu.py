@@ -1,11 +1,13 @@
 """HSA decode on the GPU: selection and decode vs the golden on random ragged batches (outputs poisoned
-with NaN), given selections, ties, page reprs, every validation error, and CUDA-graph capture/replay."""
+with NaN), given selections, ties, page reprs, every validation error, CUDA-graph capture/replay, and the
+custom ops (eager and under torch.compile(fullgraph=True)) against the classes."""
 
 import pytest
 import torch
 
 from golden.hsa_decode import hsa_decode, page_repr, random_case
-from ops.hsa_decode import HSADecodeTileLang, HSAPageReprTileLang
+import ops.hsa as hsa_ops
+from ops.hsa import HSADecodeTileLang, HSAPageReprTileLang
 
 pytestmark = pytest.mark.gpu
 
@@ -238,3 +240,77 @@ def test_rejects_bad_input(key, bad, err, match):
         inputs[key] = bad(inputs[key])
     with pytest.raises(err, match=match):
         op(**inputs)
+
+
+# ----------------------------------------------------------------------------- custom ops, torch.compile
+def _fn_kwargs(name, select=False):
+    """The custom ops' scalar arguments for spec ``name`` (hsa_select takes no combine)."""
+    s = SPECS[name]
+    kw = dict(page_size=s["page_size"], topk=s["topk"], selection_strategy=s["selection_strategy"],
+              window_size=s["window_size"], scale=s.get("scale"))
+    return kw if select else dict(kw, combine=s["combine"])
+
+
+def _select_args(inputs):
+    return inputs["q"], inputs["page_table"], inputs["seq_lens"], inputs["chunk_repr"], inputs["repr_valid"]
+
+
+@pytest.mark.parametrize("name", ["bench", "token", "g4"])
+def test_custom_ops_match_class(name):
+    """The functions (custom ops) run the classes' kernels: outputs bitwise equal, errors the same."""
+    op, inputs = get_op(name), make_case(name, seed=16)
+    o = hsa_ops.hsa_decode(**inputs, **_fn_kwargs(name))
+    assert torch.equal(o, op(**inputs))
+    ids, scores = hsa_ops.hsa_select(*_select_args(inputs), **_fn_kwargs(name, select=True))
+    ids_ref, scores_ref = op.select(*_select_args(inputs))
+    assert torch.equal(ids, ids_ref) and torch.equal(scores, scores_ref)
+    o = torch.ops.llm_tile_ops.hsa_decode(*inputs.values(), ids, **_fn_kwargs(name), validate=False)
+    assert torch.equal(o, op(**inputs, selected_page_ids=ids))
+    bad = dict(inputs, seq_lens=torch.zeros_like(inputs["seq_lens"]))
+    with pytest.raises(ValueError, match="seq_len 0 is an error"):
+        hsa_ops.hsa_decode(**bad, **_fn_kwargs(name))
+    with pytest.raises(TypeError, match="page_table: expected dtype"):
+        hsa_ops.hsa_select(*_select_args(dict(inputs, page_table=inputs["page_table"].long())),
+                           **_fn_kwargs(name, select=True))
+
+
+@pytest.mark.parametrize("name", ["bench", "token"])
+def test_torch_compile_fullgraph(name):
+    """Selection, decode with and without a given selection, in one compiled graph (no graph break): equal
+    to the same function run eagerly."""
+    inputs = make_case(name, seed=17)
+    kw, sel_kw = _fn_kwargs(name), _fn_kwargs(name, select=True)
+
+    def fn(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid):
+        ids, scores = hsa_ops.hsa_select(q, page_table, seq_lens, chunk_repr, repr_valid, validate=False, **sel_kw)
+        o = hsa_ops.hsa_decode(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid,
+                               validate=False, **kw)
+        o_given = hsa_ops.hsa_decode(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr,
+                                     selected_page_ids=ids, validate=False, **kw)
+        return o, o_given, ids, scores
+
+    eager = fn(**inputs)
+    compiled = torch.compile(fn, fullgraph=True)(**inputs)
+    for got, want in zip(compiled, eager):
+        assert torch.equal(got, want)
+    o_ref, _, _ = golden_of(name, inputs)
+    torch.testing.assert_close(compiled[0].float(), o_ref.float(), **TOL[SPECS[name]["dtype"]])
+
+
+def test_torch_compile_page_repr():
+    """hsa_page_repr mutates chunk_repr inside a compiled graph as it does eagerly."""
+    torch.manual_seed(18)
+    k_buffer = torch.randn(40 * 64, 8, 128, device="cuda").bfloat16()
+    page_ids = torch.tensor([7, 0, 39, 12], dtype=torch.int32, device="cuda")
+
+    def fn(k_buffer, page_ids, chunk_repr):
+        out = hsa_ops.hsa_page_repr(k_buffer, page_ids, chunk_repr, page_size=64, mode="mean", validate=False)
+        return out[page_ids.long()].float().sum(dim=-1)
+
+    reprs = [torch.full((40, 8, 128), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    eager = fn(k_buffer, page_ids, reprs[0])
+    compiled = torch.compile(fn, fullgraph=True)(k_buffer, page_ids, reprs[1])
+    assert torch.equal(compiled, eager)
+    assert torch.equal(reprs[0].isnan(), reprs[1].isnan()) and torch.equal(reprs[0].nan_to_num(), reprs[1].nan_to_num())
+    want = page_repr(k_buffer, page_ids, 64, "mean")
+    torch.testing.assert_close(reprs[1][page_ids.long()], want, atol=1e-2, rtol=1e-2)

@@ -1,13 +1,19 @@
-"""htree forward: golden vs a literal float64 loop, golden properties, validation, compile-only builds."""
+"""htree forward: golden vs a literal float64 loop, golden properties, the op's host side vs the golden,
+validation, the op protocol, the custom op's fake, compile-only builds."""
 
+import inspect
 import math
 import struct
 
 import pytest
 import torch
 
+import golden.htree
 from golden.htree import apply_rope, build_tree, htree_forward, num_layers, pack_bits, rope_tables
-from ops.htree import HTreeForwardTileLang
+from ops.common.protocol import Op, op_class
+from ops.htree import HTreeForwardTileLang, htree_attention
+from ops.htree import tree
+from ops.htree.kernels.walk import htree_fwd_kernel
 
 
 # ----------------------------------------------------------------------------- literal definition
@@ -141,6 +147,41 @@ def test_build_tree_means_existing_children():
     assert pack_bits(16, 512, 8192) == 13 and pack_bits(4, 4, 16) == 4
 
 
+# ----------------------------------------------------------------------------- the op's host side
+def test_op_tables_match_the_golden():
+    """ops.htree.tree keeps its own copies of the golden's constants and tables (ops never import golden)."""
+    assert tree.RIGHTMOST_IMPORTANCE == golden.htree.RIGHTMOST_IMPORTANCE
+    for r in (2, 4, 16, 32):
+        for top_k in (1, 4, 512):
+            for max_top in (16, 8192):
+                assert tree.pack_bits(r, top_k, max_top) == golden.htree.pack_bits(r, top_k, max_top)
+    for K, n, base in ((32, 100, 10000.0), (128, 8192, 500000.0)):
+        for got, want in zip(tree.rope_tables(K, n, base), golden.htree.rope_tables(K, n, base)):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("T,r,max_top", [(1, 4, 16), (16, 4, 16), (17, 4, 16), (37, 4, 2), (300, 16, 8),
+                                         (5003, 16, 512)])
+def test_layer_sizes_match_the_golden_tree(T, r, max_top):
+    sizes, offs = tree.layer_sizes(T, r, max_top)
+    k = torch.zeros(1, T, 1, 2)
+    assert sizes == [lk.shape[1] for lk, _ in build_tree(k, k, r, max_top)]
+    assert len(sizes) == num_layers(T, r, max_top)
+    assert offs[:2] == [0, 0] and all(offs[l + 1] == offs[l] + sizes[l] for l in range(1, len(sizes) - 1))
+
+
+def test_split_tf32_halves():
+    x = torch.tensor([1.0, -3.14159265, 1e-30, 123456.789, float("inf")])
+    hi, lo = tree.split_tf32(x)
+    finite = x.isfinite()
+    # both halves carry the TF32 rounding offset (half a TF32 ulp); without it the high half keeps 10 mantissa
+    # bits and the two add up to x exactly
+    assert torch.equal((hi.view(torch.int32) & 0x1FFF)[finite], torch.full((4,), 0x1000, dtype=torch.int32))
+    assert hi[-1] == float("inf")  # non-finite values keep their bits
+    hi, lo = ((h.view(torch.int32) - 0x1000).view(torch.float32) for h in (hi, lo))
+    assert torch.equal((hi + lo)[finite], x[finite])
+
+
 # ----------------------------------------------------------------------------- op: validation, compile-only
 GOOD = dict(num_heads=8, num_kv_heads=2, head_dim=32)
 
@@ -164,6 +205,66 @@ def test_bad_static_params(kw, err, msg):
         HTreeForwardTileLang(**{**GOOD, **kw})
 
 
+@pytest.mark.parametrize("kw,err", [
+    (dict(scale=0.0), ValueError), (dict(scale=-0.125), ValueError), (dict(scale=float("nan")), ValueError),
+    (dict(scale=float("inf")), ValueError), (dict(scale="0.1"), TypeError), (dict(scale=True), TypeError),
+    (dict(rope_base=0.0), ValueError), (dict(rope_base=float("inf")), ValueError), (dict(rope_base="1e4"), TypeError),
+])
+def test_bad_scale_and_rope_base(kw, err):
+    """The scale check every op shares (and rope_base's), before any kernel is built; the same from the custom op's
+    functional form, before the op is looked up."""
+    name = next(iter(kw))
+    with pytest.raises(err, match=name):
+        HTreeForwardTileLang(**{**GOOD, **kw})
+    q, k, v = (torch.empty(1, 4, h, 32, device="meta") for h in (8, 2, 2))
+    with pytest.raises(err, match=name):
+        htree_attention(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(compression_rate=16.0), dict(top_k_per_layer="512"), dict(max_top_nodes=None)])
+def test_htree_attention_bad_ints(kw):
+    q, k, v = (torch.empty(1, 4, h, 32, device="meta") for h in (8, 2, 2))
+    with pytest.raises(TypeError, match=next(iter(kw))):
+        htree_attention(q, k, v, **kw)
+
+
+# ----------------------------------------------------------------------------- op protocol, custom op
+def test_protocol():
+    assert issubclass(HTreeForwardTileLang, Op) and op_class("htree") is HTreeForwardTileLang
+    small, large = (HTreeForwardTileLang.default_config(dict(head_dim=K)) for K in (32, 128))
+    assert small == {"block_n": 64, "threads": 128, "min_blocks": 3, "chunk_rope": True, "tiles0": 2, "min_blocks0": 4}
+    assert large == {"block_n": 32, "threads": 128, "min_blocks": 3, "chunk_rope": True, "tiles0": 2, "min_blocks0": 3}
+    space = HTreeForwardTileLang.config_space(dict(head_dim=128))
+    assert space and all(set(c) <= set(large) for c in space)
+    assert HTreeForwardTileLang.tunable_kernel({}) is htree_fwd_kernel
+    for spec in HTreeForwardTileLang.warm_specs:  # constructor keyword sets
+        inspect.signature(HTreeForwardTileLang).bind(**spec)
+
+
+def test_autotune_case_registered():
+    from scripts.workloads.htree import AUTOTUNE
+
+    assert set(AUTOTUNE) == {HTreeForwardTileLang.op_name}
+    inspect.signature(AUTOTUNE["htree"]).bind(T=1024, fp32=1)  # scripts/autotune.py --shape T=1024,fp32=1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shapes", [((2, 100, 8, 64), (2, 100, 2, 64), (2, 100, 2, 32)),
+                                    ((1, 7, 4, 128), (1, 7, 4, 128), (1, 7, 4, 128))])
+def test_custom_op_fake(dtype, shapes):
+    """llm_tile_ops::htree_forward's fake: o [B, T, H, V] in q's dtype, for meta tensors and under FakeTensorMode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    (B, T, H, _), _, (_, _, _, V) = shapes
+    q, k, v = (torch.empty(s, dtype=dtype, device="meta") for s in shapes)
+    o = torch.ops.llm_tile_ops.htree_forward(q, k, v, 4, 4, 16, 10000.0, None)
+    assert o.shape == (B, T, H, V) and o.dtype == dtype and o.device.type == "meta"
+    with FakeTensorMode():
+        q, k, v = (torch.empty(s, dtype=dtype, device="cuda") for s in shapes)
+        o = htree_attention(q, k, v, compression_rate=4, top_k_per_layer=4, max_top_nodes=16, scale=0.1)
+        assert o.shape == (B, T, H, V) and o.dtype == dtype and o.device.type == "cuda"
+
+
 # the issue's bench configurations (a) fp32 G=16 K=32 and (b) bf16 G=4 K=128
 @pytest.fixture(scope="module", params=[(64, 4, 32, torch.float32), (32, 8, 128, torch.bfloat16)],
                 ids=["a-fp32-G16-K32", "b-bf16-G4-K128"])
@@ -178,6 +279,16 @@ def test_compiles_for_sm90a(bench_op):
                                                  bench_op.top_keys, bench_op.top_merge, bench_op.layer0))
     # 16-bit (r >= 16): K pre-rotated for the layer kernel, which also takes the middle layers
     assert (bench_op.rope0 is None) == (bench_op.middle is None) == (bench_op.dtype == torch.float32)
+
+
+@pytest.mark.compile
+def test_tunable_kernel_takes_spec_and_config(bench_op):
+    """scripts/autotune.py calls tunable_kernel(spec)(**spec, **config) for the configs of config_space."""
+    builder = bench_op.tunable_kernel(bench_op.spec)
+    for config in bench_op.config_space(bench_op.spec):
+        inspect.signature(builder).bind(**bench_op.spec, **config)
+    func = builder(**bench_op.spec, **bench_op.config_space(bench_op.spec)[0])  # the TIR builds (no nvcc)
+    assert str(func.attrs["global_symbol"]) == "htree_fwd"
 
 
 @pytest.mark.compile

@@ -7,49 +7,112 @@ import textwrap
 import pytest
 import torch
 
-from golden.mhc_pre import mhc_forward_pre, random_inputs
+from golden.mhc_pre import mhc_forward_pre, random_inputs, sinkhorn
 from ops import MHCForwardPreTileLang
-from ops.mhc_pre import fused_fits
-from ops import _runtime
+from ops.common import runtime as _runtime
+from ops.mhc.tiling import fused_fits
 
 
-def loop_reference(x, phi, alpha, bias, rms_eps=1e-6, hc_eps=1e-6):
-    """The issue's formula, one token and one output at a time, in float64."""
-    B, S, n, D = x.shape
-    h_in = torch.zeros(B, S, D, dtype=torch.float64)
-    h_post = torch.zeros(B, S, n, dtype=torch.float64)
-    h_res = torch.zeros(B, S, n, n, dtype=torch.float64)
-    for b in range(B):
-        for s in range(S):
-            v = [float(e) for e in x[b, s].double().flatten()]
-            mix = [sum(p * e for p, e in zip(phi[r].double().tolist(), v)) for r in range(n * n + 2 * n)]
-            inv_rms = 1.0 / math.sqrt(sum(e * e for e in v) / len(v) + rms_eps)
-            a = alpha.double().tolist()
-            bb = bias.double().tolist()
-            sig = lambda z: 1.0 / (1.0 + math.exp(-z))  # noqa: E731
-            h_pre = [sig(a[0] * inv_rms * mix[i] + bb[i]) + hc_eps for i in range(n)]
-            for i in range(n):
-                h_post[b, s, i] = 2 * sig(a[1] * inv_rms * mix[n + i] + bb[n + i])
-                for j in range(n):
-                    h_res[b, s, i, j] = a[2] * inv_rms * mix[2 * n + i * n + j] + bb[2 * n + i * n + j]
-            for d in range(D):
-                h_in[b, s, d] = sum(h_pre[i] * v[i * D + d] for i in range(n))
-    return h_in, h_post, h_res
+def loop_sinkhorn(z, iters, hc_eps):
+    """The issue's Sinkhorn projection of one token's logits (a list of n lists), element by element."""
+    n = len(z)
+    c = []
+    for row in z:
+        top = max(row)
+        e = [math.exp(v - top) for v in row]
+        c.append([v / sum(e) + hc_eps for v in e])
+
+    def cols(c):
+        sums = [sum(c[i][j] for i in range(n)) for j in range(n)]
+        return [[c[i][j] / (sums[j] + hc_eps) for j in range(n)] for i in range(n)]
+
+    def rows(c):
+        return [[c[i][j] / (sum(c[i]) + hc_eps) for j in range(n)] for i in range(n)]
+
+    c = cols(c)
+    for _ in range(iters - 1):
+        c = cols(rows(c))
+    return c
+
+
+def loop_reference(x, phi, alpha, bias, rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=0):
+    """The issue's formula, one token and one output at a time, in float64; x [..., n, D]."""
+    *lead, n, D = x.shape
+    x = x.reshape(-1, n, D)
+    h_in = torch.zeros(x.shape[0], D, dtype=torch.float64)
+    h_post = torch.zeros(x.shape[0], n, dtype=torch.float64)
+    h_res = torch.zeros(x.shape[0], n, n, dtype=torch.float64)
+    a = alpha.double().tolist()
+    bb = bias.double().tolist()
+    sig = lambda z: 1.0 / (1.0 + math.exp(-z))  # noqa: E731
+    for t in range(x.shape[0]):
+        v = [float(e) for e in x[t].double().flatten()]
+        mix = [sum(p * e for p, e in zip(phi[r].double().tolist(), v)) for r in range(n * n + 2 * n)]
+        inv_rms = 1.0 / math.sqrt(sum(e * e for e in v) / len(v) + rms_eps)
+        h_pre = [sig(a[0] * inv_rms * mix[i] + bb[i]) + hc_eps for i in range(n)]
+        logits = [[a[2] * inv_rms * mix[2 * n + i * n + j] + bb[2 * n + i * n + j] for j in range(n)]
+                  for i in range(n)]
+        res = loop_sinkhorn(logits, sinkhorn_iters, hc_eps) if sinkhorn_iters else logits
+        for i in range(n):
+            h_post[t, i] = 2 * sig(a[1] * inv_rms * mix[n + i] + bb[n + i])
+            for j in range(n):
+                h_res[t, i, j] = res[i][j]
+        for d in range(D):
+            h_in[t, d] = sum(h_pre[i] * v[i * D + d] for i in range(n))
+    return h_in.reshape(*lead, D), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)
 
 
 def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("n,D,shape", [(1, 8, (1, 3)), (2, 24, (2, 2)), (4, 16, (1, 2))])
-def test_golden_matches_float64_loop(n, D, shape):
-    x, phi, alpha, bias = random_inputs(*shape, n, D)
-    ref = loop_reference(x, phi, alpha, bias)
-    got = mhc_forward_pre(x, phi.double(), alpha.double(), bias.double())
+@pytest.mark.parametrize("sinkhorn_iters", [0, 1, 20])
+@pytest.mark.parametrize("n,D,shape", [(1, 8, (1, 3)), (2, 24, (2, 2)), (4, 16, (1, 2)), (3, 8, (3,)),
+                                       (4, 8, (2, 1, 2))])
+def test_golden_matches_float64_loop(n, D, shape, sinkhorn_iters):
+    x, phi, alpha, bias = random_inputs(1, math.prod(shape), n, D)
+    x = x.reshape(*shape, n, D)  # any leading dimensions
+    ref = loop_reference(x, phi, alpha, bias, sinkhorn_iters=sinkhorn_iters)
+    got = mhc_forward_pre(x, phi.double(), alpha.double(), bias.double(), sinkhorn_iters=sinkhorn_iters)
+    assert [tuple(g.shape) for g in got] == [(*shape, D), (*shape, n), (*shape, n, n)]
     # h_in is rounded to bf16 by definition; the fp32 outputs are compared in float64 here.
     assert rel_err(got[0], ref[0]) < 8e-3
     assert rel_err(got[1], ref[1]) < 1e-12
     assert rel_err(got[2], ref[2]) < 1e-12
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_golden_sinkhorn_20_is_doubly_stochastic(n):
+    """20 iterations from logits of order one: the columns sum to 1 (up to the hc_eps terms), the rows nearly
+    (Sinkhorn converges slowly for a few matrices), all entries positive; one iteration leaves the rows off."""
+    torch.manual_seed(n)
+    logits = torch.randn(1024, n, n, dtype=torch.float64)
+    comb = sinkhorn(logits, 20, 1e-6)
+    rows = (comb.sum(-1) - 1).abs()
+    assert (comb > 0).all()
+    assert (comb.sum(-2) - 1).abs().max() < 2e-5
+    assert rows.max() < 5e-3 and rows.mean() < 1e-4
+    if n > 1:
+        assert (sinkhorn(logits, 1, 1e-6).sum(-1) - 1).abs().mean() > 1e-2
+
+
+def test_golden_sinkhorn_fp32_matches_fp64():
+    """The golden in fp32 (the compiled kernels' precision) stays close to float64 over 20 iterations."""
+    x, phi, alpha, bias = random_inputs(2, 50, 4, 64)
+    got = mhc_forward_pre(x, phi, alpha, bias, sinkhorn_iters=20)[2]
+    ref = mhc_forward_pre(x, phi.double(), alpha.double(), bias.double(), sinkhorn_iters=20)[2]
+    assert got.dtype == torch.float32 and rel_err(got, ref) < 1e-5
+
+
+def test_golden_leading_dims():
+    """[B, S, n, D], [tokens, n, D] and [n, D] give the same per-token results."""
+    x, phi, alpha, bias = random_inputs(2, 3, 2, 16)
+    full = mhc_forward_pre(x, phi, alpha, bias, return_aux=True, sinkhorn_iters=20)
+    flat = mhc_forward_pre(x.reshape(6, 2, 16), phi, alpha, bias, return_aux=True, sinkhorn_iters=20)
+    one = mhc_forward_pre(x[1, 2], phi, alpha, bias, return_aux=True, sinkhorn_iters=20)
+    for f, g, o in zip(full, flat, one):
+        assert torch.equal(f.reshape(g.shape), g)
+        assert o.shape == f.shape[2:] and torch.allclose(o, f[1, 2], rtol=1e-6, atol=1e-6)
 
 
 def test_golden_aux_outputs():
@@ -75,6 +138,11 @@ def test_golden_aux_outputs():
     (dict(D=4096, config={"x_slots": 15}), ValueError, r"config\['x_slots'\]: expected >= 16"),
     (dict(D=4096, config={"x_slots": 20, "phi_stages": 8}), ValueError, "bytes of shared memory"),
     (dict(n=8, config={"num_stages": 4}), ValueError, "bytes of shared memory"),  # 80 phi rows per stage
+    (dict(sinkhorn_iters=-1), ValueError, "sinkhorn_iters: expected >= 0"),
+    (dict(sinkhorn_iters=101), ValueError, "sinkhorn_iters: expected <= 100"),
+    (dict(sinkhorn_iters=2.0), TypeError, "sinkhorn_iters: expected an int"),
+    (dict(sinkhorn_iters=True), TypeError, "sinkhorn_iters: expected an int"),
+    (dict(sinkhorn_iters=None), TypeError, "sinkhorn_iters: expected an int"),
 ])
 def test_constructor_validation(kwargs, err, match):
     args = dict(B=1, S=1, n=4, D=64)
@@ -99,6 +167,10 @@ def test_call_validation(small_op):
         small_op(x[..., :32], phi, alpha, bias)
     with pytest.raises(ValueError, match=r"x: expected shape .* got \[1, 4, 4, 32\]"):
         small_op(x.reshape(1, 4, 4, 32), phi, alpha, bias)
+    with pytest.raises(ValueError, match=r"x: expected shape \[\*, 2, 64\], got \[4, 2, 32\]"):
+        small_op(x[0, :, :, :32], phi, alpha, bias)  # any leading dimensions, here one
+    with pytest.raises(ValueError, match=r"x: expected shape \[\.\.\., n, D\], got \[64\]"):
+        small_op(x[0, 0, 0, :], phi, alpha, bias)
     if torch.cuda.is_available():
         x, phi, alpha, bias = (t.cuda() for t in (x, phi, alpha, bias))
         with pytest.raises(ValueError, match="x: expected a contiguous tensor"):
@@ -125,10 +197,50 @@ def test_compiles_for_sm90a(n, D):
             assert "cudaGridDependencySynchronize" in op._side.get_kernel_source()
 
 
+@pytest.mark.compile
+def test_compiles_with_sinkhorn():
+    """sinkhorn_iters >= 1 adds the Sinkhorn kernel (one thread per token, no shared memory, no barrier) and
+    changes nothing else; 0 builds none."""
+    op = MHCForwardPreTileLang(2, 8, 2, 520, sinkhorn_iters=20)
+    assert op._sinkhorn is not None and op.spec == MHCForwardPreTileLang(2, 8, 2, 520).spec
+    assert MHCForwardPreTileLang(2, 8, 2, 520)._sinkhorn is None
+    src = op._sinkhorn.get_kernel_source()
+    assert "mhc_pre_sinkhorn_kernel" in src and "__syncthreads" not in src and "__shared__" not in src
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("n,iters", [(1, 1), (3, 2), (4, 20), (6, 20), (8, 20), (8, 100)])
+def test_sinkhorn_kernels_compile_for_sm90a(n, iters):
+    """Both Sinkhorn kernels for n = 1..8 (the backward's segments: one at n = 4, 20 iterations; several
+    at n = 8, 20 and 100)."""
+    from ops.common.runtime import compile_kernel
+    from ops.mhc.kernels.sinkhorn import mhc_pre_sinkhorn_bwd_kernel, mhc_pre_sinkhorn_kernel
+
+    fwd = compile_kernel(mhc_pre_sinkhorn_kernel(n, iters, 1e-6)).get_kernel_source()
+    bwd = compile_kernel(mhc_pre_sinkhorn_bwd_kernel(n, iters, 1e-6)).get_kernel_source()
+    assert "mhc_pre_sinkhorn_kernel" in fwd and "mhc_pre_sinkhorn_bwd_kernel" in bwd
+    # The backward's denominators live in shared memory, a column per thread; no CTA barrier.
+    assert "__shared__" in bwd and "__syncthreads" not in bwd
+
+
+def test_sinkhorn_segment():
+    """The Sinkhorn backward's segments: even, within 2 * iters, their denominators within the shared
+    memory budget; one segment for DeepSeek-V4's n = 4, 20 iterations."""
+    from ops.mhc.tiling import _SINKHORN_SMEM, _SINKHORN_THREADS, sinkhorn_segment
+
+    assert sinkhorn_segment(4, 20) == 40
+    for n in range(1, 9):
+        for iters in (1, 2, 20, 100):
+            seg = sinkhorn_segment(n, iters)
+            assert seg % 2 == 0 and 2 <= seg <= 2 * iters
+            assert seg * n * _SINKHORN_THREADS * 4 <= _SINKHORN_SMEM
+
+
 def test_mix_config_space_fits_shared_memory():
     """Every offered two-kernel config fits (n=8 has 80 phi rows per stage: 4 stages of 128 x 128 do not)."""
-    from ops.mhc_pre import _SMEM_BUDGET, mix_smem_bytes
-    space = MHCForwardPreTileLang.config_space(8, 1024)
+    from ops.common.hw import SMEM_BUDGET as _SMEM_BUDGET
+    from ops.mhc.tiling import mix_smem_bytes
+    space = MHCForwardPreTileLang.config_space({"n": 8, "D": 1024})
     assert space and all(mix_smem_bytes(8, **c) <= _SMEM_BUDGET for c in space)
     assert dict(block_t=128, block_k=128, num_stages=4, threads=256) not in space
     assert mix_smem_bytes(8, 128, 128, 3) == 221184  # TileLang's allocation for that kernel
@@ -136,13 +248,76 @@ def test_mix_config_space_fits_shared_memory():
 
 def test_side_tokens_whole_rounds_that_end_with_the_single_pass():
     """One tile per idle SM per round, only as many rounds as the single pass outlasts."""
-    from ops.mhc_pre import side_tokens
+    from ops.mhc.tiling import side_tokens
     assert side_tokens(16384, 0) == 0  # no idle SM
     assert side_tokens(8192, 20) == 0  # a round would outlast the single pass
     assert side_tokens(16384, 20) == 20 * 128
     for tokens in (1, 3, 1000, 16384, 50000, 1 << 20):
         side = side_tokens(tokens, 20)
         assert side % (20 * 128) == 0 and 0 <= side < tokens
+
+
+def test_protocol():
+    """The op class follows ops.common.protocol: the tunable kernel is the single pass where it runs, else
+    the mix kernel; every offered config has the default's keys; the bench shapes are warm specs."""
+    from ops.common.protocol import Op, op_class
+    from ops.mhc.kernels.fwd_fused import mhc_pre_fused_kernel
+    from ops.mhc.kernels.fwd_mix import mhc_pre_mix_kernel
+
+    cls = MHCForwardPreTileLang
+    assert issubclass(cls, Op) and op_class("mhc_pre") is cls
+    for D, builder in ((4096, mhc_pre_fused_kernel), (7168, mhc_pre_mix_kernel)):
+        spec = {"n": 4, "D": D, "rms_eps": 1e-6, "hc_eps": 1e-6}
+        assert cls.tunable_kernel(spec) is builder
+        space = cls.config_space(spec)
+        assert space and all(set(c) == set(cls.default_config(spec)) for c in space)
+    assert {(s["n"], s["D"]) for s in cls.warm_specs} == {(4, 4096), (4, 7168)}
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(hc_eps=-1e-6), ValueError, r"hc_eps: expected >= 0"),
+    (dict(rms_eps=float("nan")), ValueError, "rms_eps: expected a finite value"),
+    (dict(rms_eps="1e-6"), TypeError, "rms_eps: expected a float"),
+])
+def test_eps_validation(kwargs, err, match):
+    with pytest.raises(err, match=match):
+        MHCForwardPreTileLang(B=1, S=1, n=4, D=64, **kwargs)
+
+
+def _meta_inputs(lead, n, D, device="meta"):
+    N = n * n + 2 * n
+    return (torch.empty(*lead, n, D, device=device, dtype=torch.bfloat16), torch.empty(N, n * D, device=device),
+            torch.empty(3, device=device), torch.empty(N, device=device))
+
+
+@pytest.mark.parametrize("sinkhorn_iters", [0, 20])
+@pytest.mark.parametrize("lead,n,D", [((2, 3), 4, 64), ((1, 5), 1, 24), ((3, 1), 8, 16), ((7,), 4, 64),
+                                      ((), 2, 16), ((2, 1, 3), 6, 8)])
+def test_custom_op_fake_shapes(lead, n, D, sinkhorn_iters):
+    """llm_tile_ops::mhc_pre_fwd propagates shapes and dtypes without a kernel (meta and fake tensors), for
+    any leading dimensions of x [..., n, D]."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    want = [((*lead, D), torch.bfloat16), ((*lead, n), torch.float32), ((*lead, n, n), torch.float32),
+            (lead, torch.float32), ((*lead, n), torch.float32), ((*lead, n * n + 2 * n), torch.float32)]
+    outs = torch.ops.llm_tile_ops.mhc_pre_fwd(*_meta_inputs(lead, n, D), 1e-6, 1e-6, sinkhorn_iters)
+    assert [(tuple(o.shape), o.dtype) for o in outs] == want
+    assert all(o.device.type == "meta" for o in outs)
+    with FakeTensorMode():
+        outs = torch.ops.llm_tile_ops.mhc_pre_fwd(*_meta_inputs(lead, n, D, "cuda"), 1e-6, 1e-6, sinkhorn_iters)
+        assert [(tuple(o.shape), o.dtype) for o in outs] == want
+        assert all(o.device.type == "cuda" for o in outs)
+
+
+@pytest.mark.parametrize("iters,err,match", [(-1, ValueError, "sinkhorn_iters: expected >= 0"),
+                                             (101, ValueError, "sinkhorn_iters: expected <= 100")])
+def test_custom_op_fake_validation(iters, err, match):
+    """The fake checks sinkhorn_iters too, so a traced program fails as the eager one does."""
+    with pytest.raises(err, match=match):
+        torch.ops.llm_tile_ops.mhc_pre_fwd(*_meta_inputs((2, 3), 4, 64), 1e-6, 1e-6, iters)
+    with pytest.raises(ValueError, match=r"x: expected shape \[\.\.\., n, D\]"):
+        torch.ops.llm_tile_ops.mhc_pre_fwd(torch.empty(64, device="meta", dtype=torch.bfloat16),
+                                           *_meta_inputs((2, 3), 4, 64)[1:], 1e-6, 1e-6)
 
 
 @pytest.mark.compile
@@ -159,7 +334,9 @@ def test_disk_cache_hit_in_fresh_process(tmp_path):
         MHCForwardPreTileLang(1, 1, 2, 136)
         print("built")
     """)
-    env = dict(os.environ, LLM_TILE_OPS_CACHE_DIR=str(tmp_path))
+    # Without the TileLang cache dir this process chose (a fresh process keeps a user's own choice).
+    env = {k: v for k, v in os.environ.items() if k != "TILELANG_CACHE_DIR"}
+    env["LLM_TILE_OPS_CACHE_DIR"] = str(tmp_path)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def run(mode):
@@ -209,3 +386,103 @@ def test_tokens_dynamic_and_deterministic():
         b = op(x, phi, alpha, bias)
         assert all(torch.equal(u, v) for u, v in zip(a, b)), "forward must be bitwise reproducible"
         assert a[0].shape == (*shape, 4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sinkhorn_iters", [0, 20])
+def test_custom_op_torch_compile_fullgraph(sinkhorn_iters):
+    """torch.compile(fullgraph=True) over a function calling llm_tile_ops::mhc_pre_fwd: no graph break,
+    and the same outputs as the op class (the same kernels: bitwise)."""
+    n, D = 4, 4096
+    x, phi, alpha, bias = random_inputs(2, 300, n, D, device="cuda")
+
+    def fn(x, phi, alpha, bias):
+        h_in, h_post, h_res, inv_rms, h_pre, h_mix = torch.ops.llm_tile_ops.mhc_pre_fwd(
+            x, phi, alpha, bias, 1e-6, 1e-6, sinkhorn_iters)
+        return h_in, h_post * 2, h_res, inv_rms, h_pre, h_mix
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True)(x, phi, alpha, bias)
+    ref = MHCForwardPreTileLang(1, 1, n, D, sinkhorn_iters=sinkhorn_iters)(x, phi, alpha, bias, return_aux=True)
+    ref = (ref[0], ref[1] * 2, *ref[2:])
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        assert torch.equal(g, r)
+
+
+# ----------------------------------------------------------------------------- GPU: Sinkhorn (h_res -> comb)
+_SK_OPS = {}
+
+
+def sinkhorn_op(n, D, sinkhorn_iters):
+    key = (n, D, sinkhorn_iters)
+    if key not in _SK_OPS:
+        _SK_OPS[key] = MHCForwardPreTileLang(1, 1, n, D, sinkhorn_iters=sinkhorn_iters)
+    return _SK_OPS[key]
+
+
+def check_against_golden(op, x, phi, alpha, bias, sinkhorn_iters, poisoned):
+    """op's outputs (NaN-poisoned allocations) against the float64 golden; a second run bitwise equal."""
+    ref = mhc_forward_pre(x.double(), phi.double(), alpha.double(), bias.double(), return_aux=True,
+                          sinkhorn_iters=sinkhorn_iters)
+    with poisoned():
+        got = op(x, phi, alpha, bias, return_aux=True)
+    for name, g, r, tol in zip(("h_in", "h_post", "h_res", "inv_rms", "h_pre", "h_mix"), got, ref,
+                               (8e-3, 2e-3, 2e-3, 1e-5, 2e-3, 2e-3)):
+        assert g.shape == r.shape, (name, g.shape, r.shape)
+        assert not torch.isnan(g).any(), f"{name}: unwritten (NaN) elements"
+        assert rel_err(g, r) <= tol, f"{name}: rel err {rel_err(g, r):.2e} > {tol}"
+    if sinkhorn_iters:
+        comb = got[2].double()
+        assert (comb > 0).all()
+        assert (comb.sum(-2) - 1).abs().max() < 1e-4, "columns of comb must sum to 1"
+    again = op(x, phi, alpha, bias, return_aux=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, again)), "forward must be bitwise reproducible"
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sinkhorn_iters", [0, 1, 20])
+@pytest.mark.parametrize("n,D", [(1, 1032), (2, 520), (4, 1024), (4, 4096), (6, 520), (8, 1024)])
+@pytest.mark.parametrize("lead", [(), (1,), (3, 333), (2, 5, 7)])
+def test_sinkhorn_matches_golden(n, D, lead, sinkhorn_iters, poisoned):
+    """h_res as comb for n = 1..8 (n = 4, D = 4096: the single pass, else the two kernels), any leading
+    dimensions of x (none: one token), odd token counts; every output against the float64 golden."""
+    x, phi, alpha, bias = random_inputs(1, math.prod(lead), n, D, device="cuda")
+    check_against_golden(sinkhorn_op(n, D, sinkhorn_iters), x.view(*lead, n, D), phi, alpha, bias,
+                         sinkhorn_iters, poisoned)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [4096, 7168])
+def test_sinkhorn_bench_shape(D, poisoned):
+    """16384 tokens at the bench shapes: at D = 4096 the single pass and its side kernel both wrote the logits
+    the Sinkhorn kernel turns into comb."""
+    x, phi, alpha, bias = random_inputs(4, 4096, 4, D, device="cuda")
+    check_against_golden(sinkhorn_op(4, D, 20), x, phi, alpha, bias, 20, poisoned)
+
+
+@pytest.mark.gpu
+def test_sinkhorn_large_logits(poisoned):
+    """Logits near 200 (exp overflows fp32 past 88): the softmax subtracts each row's maximum, so comb is
+    finite and the golden's."""
+    n, D = 4, 1024
+    x, phi, alpha, bias = random_inputs(1, 777, n, D, device="cuda")
+    bias[2 * n:] += 200.0
+    got = check_against_golden(sinkhorn_op(n, D, 20), x, phi, alpha, bias, 20, poisoned)
+    assert torch.isfinite(got[2]).all()
+
+
+@pytest.mark.gpu
+def test_sinkhorn_leading_dims_agree():
+    """[B, S, n, D] and [tokens, n, D] inputs give the same results bitwise, [n, D] (one token) its token's."""
+    n, D = 4, 1024
+    op = sinkhorn_op(n, D, 20)
+    x, phi, alpha, bias = random_inputs(3, 41, n, D, device="cuda")
+    full = op(x, phi, alpha, bias, return_aux=True)
+    flat = op(x.view(123, n, D), phi, alpha, bias, return_aux=True)
+    one = op(x[2, 40], phi, alpha, bias, return_aux=True)
+    for f, g, o in zip(full, flat, one):
+        assert f.shape[:2] == (3, 41) and g.shape[0] == 123 and o.shape == f.shape[2:]
+        assert torch.equal(f.reshape(g.shape), g)
+        assert torch.allclose(o.float(), f[2, 40].float(), rtol=1e-5, atol=1e-6)

@@ -5,8 +5,8 @@ import torch
 
 from golden.mhc_pre import mhc_forward_pre, random_inputs
 from golden.mhc_pre_bwd import mhc_backward_pre, mhc_backward_pre_autograd
-from ops import _runtime  # noqa: F401  (kernel cache dir before TileLang)
-from ops.mhc_pre_bwd import MHCBackwardPreTileLang, mhc_pre
+from ops.common import runtime  # noqa: F401  (kernel cache dir before TileLang)
+from ops.mhc import MHCBackwardPreTileLang, mhc_pre
 
 # The three output gradients in order (h_in, h_post, h_res); a pattern says which are present.
 ALL = (True, True, True)
@@ -39,6 +39,41 @@ def test_closed_form_matches_autograd_float64(n, D, present):
     for name, c, a in zip(("grad_x", "grad_phi", "grad_alpha", "grad_bias"), closed, auto):
         assert c.dtype == torch.float64
         assert rel_err(c, a) < 1e-12, name
+
+
+@pytest.mark.parametrize("sinkhorn_iters", [1, 2, 20])
+@pytest.mark.parametrize("n,D,present", [(1, 8, ALL), (2, 24, ALL), (4, 16, ALL), (3, 8, PARTIAL[1]),
+                                         (4, 8, PARTIAL[2]), (4, 8, (False, False, True))])
+def test_closed_form_sinkhorn_matches_autograd_float64(n, D, present, sinkhorn_iters):
+    """Through the Sinkhorn iterations: the reverse recurrence (golden.mhc_pre_bwd.sinkhorn_backward) against
+    autograd through golden.mhc_pre.sinkhorn, every input's gradient, x with three leading dimensions."""
+    inputs, grads = make_inputs(2, 3, n, D, present=present)
+    inputs, grads = to64(inputs), to64(grads)
+    inputs = (inputs[0].reshape(3, 1, 2, n, D), *inputs[1:])
+    grads = tuple(None if g is None else g.reshape(3, 1, 2, *g.shape[2:]) for g in grads)
+    closed = mhc_backward_pre(*inputs, *grads, sinkhorn_iters=sinkhorn_iters)
+    auto = mhc_backward_pre_autograd(*inputs, *grads, dtype=torch.float64, sinkhorn_iters=sinkhorn_iters)
+    plain = mhc_backward_pre(*inputs, *grads)
+    for name, c, a, p in zip(("grad_x", "grad_phi", "grad_alpha", "grad_bias"), closed, auto, plain):
+        assert c.shape == a.shape
+        assert rel_err(c, a) < 1e-12, name
+    if present[2]:
+        assert rel_err(closed[3], plain[3]) > 1e-3  # the projection changes the logits' gradient
+
+
+@pytest.mark.parametrize("n,iters", [(2, 1), (3, 4), (4, 20)])
+def test_sinkhorn_backward_gradcheck(n, iters):
+    """golden.mhc_pre.sinkhorn by finite differences in float64 (so the reverse recurrence checked against
+    autograd above is checked against numbers too)."""
+    from golden.mhc_pre import sinkhorn
+    from golden.mhc_pre_bwd import sinkhorn_backward
+
+    torch.manual_seed(n)
+    z = torch.randn(3, n, n, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda z: sinkhorn(z, iters, 1e-6), (z,))
+    g = torch.randn(3, n, n, dtype=torch.float64)
+    (auto,) = torch.autograd.grad(sinkhorn(z, iters, 1e-6), z, g)
+    assert rel_err(sinkhorn_backward(z.detach(), g, iters, 1e-6), auto) < 1e-12
 
 
 def test_closed_form_alpha_zero():
@@ -89,6 +124,12 @@ def test_closed_form_float32_inputs():
     (dict(config={"block_t": 128}), ValueError, "must be 64 for n=4"),
     (dict(D=4096, config={"token_groups": 3}), ValueError, r"token_groups'\]: expected <= 2 for D=4096"),
     (dict(n=2, config={"num_stages": 1}), ValueError, r"num_stages'\]: expected >= 2 for n=2"),
+    (dict(sinkhorn_iters=-1), ValueError, "sinkhorn_iters: expected >= 0"),
+    (dict(sinkhorn_iters=101), ValueError, "sinkhorn_iters: expected <= 100"),
+    (dict(sinkhorn_iters=20.0), TypeError, "sinkhorn_iters: expected an int"),
+    (dict(sinkhorn_iters=False), TypeError, "sinkhorn_iters: expected an int"),
+    (dict(hc_eps=-1.0), ValueError, "hc_eps: expected >= 0"),
+    (dict(hc_eps="1e-6"), TypeError, "hc_eps: expected a float"),
 ])
 def test_constructor_validation(kwargs, err, match):
     args = {**dict(B=1, S=4, n=4, D=64), **kwargs}
@@ -99,8 +140,119 @@ def test_constructor_validation(kwargs, err, match):
 @pytest.mark.parametrize("n", [1, 4, 6])
 def test_config_space_offers_no_hanging_config(n):
     """The one-pass kernel (n <= 4) hangs with one stage: the autotuner is never offered it."""
-    stages = {cfg["num_stages"] for cfg in MHCBackwardPreTileLang.config_space(n=n, D=1024)}
+    stages = {cfg["num_stages"] for cfg in MHCBackwardPreTileLang.config_space({"n": n, "D": 1024})}
     assert stages and min(stages) == (2 if n <= 4 else 1), stages
+
+
+def test_protocol():
+    """The op class follows ops.common.protocol; the GPU-querying DEFAULT_CONFIG is gone."""
+    from ops.common.protocol import Op, op_class
+    from ops.mhc.pre_bwd import grad_kernel
+
+    cls = MHCBackwardPreTileLang
+    assert issubclass(cls, Op) and op_class("mhc_pre_bwd") is cls and not hasattr(cls, "DEFAULT_CONFIG")
+    for n, D in ((4, 4096), (4, 7168), (6, 520)):
+        spec = {"n": n, "D": D}
+        assert cls.tunable_kernel(spec) is grad_kernel
+        space = cls.config_space(spec)
+        assert space and all(set(c) == set(cls.default_config(spec)) for c in space)
+    assert {(s["n"], s["D"]) for s in cls.warm_specs} == {(4, 4096), (4, 7168)}
+
+
+# ----------------------------------------------------------------------------- custom ops (CPU: fakes)
+def meta_call(B, S, n, D, present=ALL, requires_grad=False, device="meta", lead=None):
+    """Meta tensors for every argument of llm_tile_ops::mhc_pre_bwd (absent gradients None); x [B, S, n, D],
+    or [*lead, n, D]."""
+    M = n * n + 2 * n
+    lead = (B, S) if lead is None else tuple(lead)
+
+    def t(*shape, dtype=torch.float32):
+        return torch.empty(shape, device=device, dtype=dtype, requires_grad=requires_grad)
+
+    inputs = (t(*lead, n, D, dtype=torch.bfloat16), t(M, n * D), t(3), t(M))
+    aux = (t(*lead), t(*lead, n), t(*lead, M))
+    grads = (t(*lead, D, dtype=torch.bfloat16), t(*lead, n), t(*lead, n, n))
+    return inputs, aux, tuple(g if p else None for g, p in zip(grads, present))
+
+
+@pytest.mark.parametrize("sinkhorn_iters", [0, 20])
+@pytest.mark.parametrize("present", [ALL, *PARTIAL])
+@pytest.mark.parametrize("lead,n,D", [((2, 3), 4, 64), ((1, 7), 6, 520), ((5,), 2, 16), ((2, 1, 3), 4, 64)])
+def test_custom_op_fake_shapes(lead, n, D, present, sinkhorn_iters):
+    """llm_tile_ops::mhc_pre_bwd propagates shapes and dtypes without a kernel, absent gradients included,
+    for any leading dimensions of x."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    inputs, aux, grads = meta_call(0, 0, n, D, present, lead=lead)
+    M = n * n + 2 * n
+    want = [((*lead, n, D), torch.bfloat16), ((M, n * D), torch.float32), ((3,), torch.float32),
+            ((M,), torch.float32)]
+    outs = torch.ops.llm_tile_ops.mhc_pre_bwd(*inputs, *aux, *grads, 1e-6, sinkhorn_iters)
+    assert [(tuple(o.shape), o.dtype) for o in outs] == want
+    with FakeTensorMode():
+        inputs, aux, grads = meta_call(0, 0, n, D, present, device="cuda", lead=lead)
+        outs = torch.ops.llm_tile_ops.mhc_pre_bwd(*inputs, *aux, *grads, 1e-6, sinkhorn_iters)
+        assert [(tuple(o.shape), o.dtype) for o in outs] == want
+        assert all(o.device.type == "cuda" for o in outs)
+    inputs, aux, grads = meta_call(0, 0, n, D, present, lead=lead)
+    with pytest.raises(ValueError, match="sinkhorn_iters: expected >= 0"):
+        torch.ops.llm_tile_ops.mhc_pre_bwd(*inputs, *aux, *grads, 1e-6, -1)
+
+
+@pytest.mark.parametrize("sinkhorn_iters", [0, 20])
+def test_mhc_pre_autograd_shapes_on_meta(sinkhorn_iters):
+    """mhc_pre is differentiable through torch.library: on meta tensors (fakes only) the backward reaches
+    llm_tile_ops::mhc_pre_bwd and gives every input a gradient of its shape; the aux outputs of
+    llm_tile_ops::mhc_pre_fwd are not differentiable."""
+    (x, phi, alpha, bias), _, _ = meta_call(2, 3, 4, 64, requires_grad=True)
+    aux = torch.ops.llm_tile_ops.mhc_pre_fwd(x, phi, alpha, bias, 1e-6, 1e-6, sinkhorn_iters)[3:]
+    assert [o.requires_grad for o in aux] == [False] * 3
+    h_in, h_post, h_res = mhc_pre(x, phi, alpha, bias, sinkhorn_iters=sinkhorn_iters)
+    assert (h_in.shape, h_post.shape, h_res.shape) == ((2, 3, 64), (2, 3, 4), (2, 3, 4, 4))
+    (h_in.float().sum() + h_post.sum()).backward()  # h_res unused: its gradient stays None
+    for t in (x, phi, alpha, bias):
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+
+
+def test_mhc_pre_autograd_leading_dims_on_meta():
+    """x [..., n, D] with three leading dimensions, or none, through forward and backward (fakes only)."""
+    for lead in ((2, 1, 3), ()):
+        (x, phi, alpha, bias), _, _ = meta_call(0, 0, 4, 64, requires_grad=True, lead=lead)
+        h_in, h_post, h_res = mhc_pre(x, phi, alpha, bias, sinkhorn_iters=20)
+        assert (h_in.shape, h_post.shape, h_res.shape) == ((*lead, 64), (*lead, 4), (*lead, 4, 4))
+        (h_in.float().sum() + h_post.sum() + h_res.sum()).backward()
+        for t in (x, phi, alpha, bias):
+            assert t.grad.shape == t.shape
+
+
+@pytest.mark.parametrize("sinkhorn_iters", [0, 20])
+def test_mhc_pre_traces_fullgraph_on_meta(sinkhorn_iters):
+    """torch.compile(fullgraph=True) traces mhc_pre's forward and backward through the fakes (no kernel,
+    no graph break); the GPU test below runs it for real."""
+    (x, phi, alpha, bias), _, _ = meta_call(2, 3, 4, 64, requires_grad=True)
+
+    def fn(x, phi, alpha, bias):
+        h_in, h_post, h_res = mhc_pre(x, phi, alpha, bias, sinkhorn_iters=sinkhorn_iters)
+        return h_in.float().sum() + h_post.sum() + h_res.sum()
+
+    torch._dynamo.reset()
+    torch.compile(fn, fullgraph=True, backend="aot_eager")(x, phi, alpha, bias).backward()
+    for t in (x, phi, alpha, bias):
+        assert t.grad.shape == t.shape
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(rms_eps=-1.0), ValueError, "rms_eps: expected >= 0"),
+    (dict(hc_eps="0"), TypeError, "hc_eps: expected a float"),
+    (dict(sinkhorn_iters=-1), ValueError, "sinkhorn_iters: expected >= 0"),
+    (dict(sinkhorn_iters=1000), ValueError, "sinkhorn_iters: expected <= 100"),
+    (dict(sinkhorn_iters=2.5), TypeError, "sinkhorn_iters: expected an int"),
+    (dict(sinkhorn_iters="20"), TypeError, "sinkhorn_iters: expected an int"),
+])
+def test_mhc_pre_validation(kwargs, err, match):
+    (x, phi, alpha, bias), _, _ = meta_call(1, 2, 2, 16)
+    with pytest.raises(err, match=match):
+        mhc_pre(x, phi, alpha, bias, **kwargs)
 
 
 # ----------------------------------------------------------------------------- compile-only (sm_90a)
@@ -118,6 +270,16 @@ def test_compiles_for_sm90a(n, D):
         assert not op._stats and set(op._grad) == {ALL}
     else:
         assert set(op._stats) == {ALL} and set(op._grad) == {True}
+
+
+@pytest.mark.compile
+def test_compiles_with_sinkhorn():
+    """sinkhorn_iters >= 1 adds the Sinkhorn backward kernel and nothing else (the same spec and config)."""
+    op = MHCBackwardPreTileLang(1, 4, 2, 520, sinkhorn_iters=20, hc_eps=1e-5)
+    plain = MHCBackwardPreTileLang(1, 4, 2, 520)
+    assert plain._sinkhorn_bwd is None and op._sinkhorn_bwd is not None
+    assert (op.spec, op.config) == (plain.spec, plain.config)
+    assert "mhc_pre_sinkhorn_bwd_kernel" in op._sinkhorn_bwd.get_kernel_source()
 
 
 @pytest.mark.compile
@@ -169,19 +331,27 @@ def test_call_validation_gpu(op_2_520, which, make, err, match):
 _OPS = {}
 
 
-def gpu_op(n, D, num_stages=None):
-    key = (n, D, num_stages)
+def gpu_op(n, D, num_stages=None, sinkhorn_iters=0):
+    key = (n, D, num_stages, sinkhorn_iters)
     if key not in _OPS:
-        _OPS[key] = MHCBackwardPreTileLang(1, 1, n, D, None if num_stages is None else {"num_stages": num_stages})
+        _OPS[key] = MHCBackwardPreTileLang(1, 1, n, D, None if num_stages is None else {"num_stages": num_stages},
+                                           sinkhorn_iters=sinkhorn_iters)
     return _OPS[key]
 
 
-def run_both(B, S, n, D, present=ALL, poisoned=contextlib.nullcontext, num_stages=None):
+def run_both(B, S, n, D, present=ALL, poisoned=contextlib.nullcontext, num_stages=None, sinkhorn_iters=0,
+             lead=None):
+    """The op's gradients (NaN-poisoned allocations) and the golden autograd's (float64 with Sinkhorn), for x
+    [B, S, n, D] or [*lead, n, D]."""
     inputs, grads = make_inputs(B, S, n, D, device="cuda", present=present)
+    if lead is not None:
+        inputs = (inputs[0].view(*lead, n, D), *inputs[1:])
+        grads = tuple(None if g is None else g.view(*lead, *g.shape[2:]) for g in grads)
     aux = mhc_forward_pre(*inputs, return_aux=True)[3:]  # inv_rms, h_pre, h_mix
     with poisoned():  # every output and workspace of the op starts as NaN
-        got = gpu_op(n, D, num_stages)(*inputs, *aux, *grads)
-    ref = mhc_backward_pre_autograd(*inputs, *grads)
+        got = gpu_op(n, D, num_stages, sinkhorn_iters)(*inputs, *aux, *grads)
+    dtype = torch.float64 if sinkhorn_iters else torch.float32
+    ref = mhc_backward_pre_autograd(*inputs, *grads, dtype=dtype, sinkhorn_iters=sinkhorn_iters)
     return got, ref
 
 
@@ -260,3 +430,147 @@ def test_mhc_pre_end_to_end(poisoned, n, D):
         assert rel_err(o, r) < 8e-3
     ref = mhc_backward_pre_autograd(*inputs, grads[0], grads[1], None)
     assert_close([t.grad for t in leaves], ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,D", [(4, 4096), (2, 520)])  # the forward's single pass, its two kernels
+def test_mhc_pre_torch_compile(n, D):
+    """torch.compile(fullgraph=True) over a training step's forward and backward through mhc_pre: no graph
+    break, the eager op's outputs and (within rounding of the loss's own gradients) its gradients."""
+    inputs, grads = make_inputs(2, 500, n, D, device="cuda")
+
+    def step(x, phi, alpha, bias):
+        h_in, h_post, h_res = mhc_pre(x, phi, alpha, bias)
+        loss = sum((o.float() * g).sum() for o, g in zip((h_in, h_post, h_res), grads))
+        return (h_in, h_post, h_res), loss
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        outs, loss = fn(*leaves)
+        loss.backward()
+        results.append((outs, [t.grad for t in leaves]))
+    (eager_outs, eager_grads), (comp_outs, comp_grads) = results
+    for o, r in zip(comp_outs, eager_outs):
+        assert torch.equal(o, r)
+    for g, r in zip(comp_grads, eager_grads):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        assert rel_err(g, r) <= 1e-5
+    assert_close(comp_grads, mhc_backward_pre_autograd(*inputs, *grads))
+
+
+@pytest.mark.gpu
+def test_custom_op_bwd_torch_compile():
+    """llm_tile_ops::mhc_pre_bwd called in a compiled function, one gradient absent (None): no graph break,
+    the op class's result (the same kernel variant: bitwise)."""
+    n, D = 2, 520
+    inputs, grads = make_inputs(1, 333, n, D, device="cuda", present=PARTIAL[0])
+    aux = mhc_forward_pre(*inputs, return_aux=True)[3:]
+
+    def fn(*args):
+        return torch.ops.llm_tile_ops.mhc_pre_bwd(*args)
+
+    got = torch.compile(fn, fullgraph=True)(*inputs, *aux, *grads)
+    ref = gpu_op(n, D)(*inputs, *aux, *grads)
+    for g, r in zip(got, ref):
+        assert torch.equal(g, r)
+
+
+# ----------------------------------------------------------------------------- GPU: through the Sinkhorn iterations
+@pytest.mark.gpu
+@pytest.mark.parametrize("sinkhorn_iters", [0, 1, 20])
+@pytest.mark.parametrize("n,D", [(1, 520), (2, 520), (4, 1024), (6, 520), (8, 256)])
+@pytest.mark.parametrize("tokens", [1, 333, 4097])
+def test_sinkhorn_matches_golden(poisoned, tokens, n, D, sinkhorn_iters):
+    """grad_x, grad_phi, grad_alpha, grad_bias through comb (the forward's saved h_mix and inv_rms recompute
+    the logits), n = 1..8 where the backward runs, odd token counts, against float64 autograd."""
+    assert_close(*run_both(1, tokens, n, D, poisoned=poisoned, sinkhorn_iters=sinkhorn_iters))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sinkhorn_iters", [1, 20, 100])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_sinkhorn_comb_gradient_only(poisoned, n, sinkhorn_iters):
+    """Only comb has a gradient: grad_bias's comb entries are then the per-token sums of the Sinkhorn kernel's
+    output alone (100 iterations: several recomputed segments at n = 8)."""
+    got, ref = run_both(3, 111, n, 256, present=(False, False, True), poisoned=poisoned,
+                        sinkhorn_iters=sinkhorn_iters)
+    assert_close(got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead", [(5, 1, 133), (665,)])
+def test_sinkhorn_leading_dims(poisoned, lead):
+    """x [..., n, D] with other leading dimensions than [B, S]."""
+    got, ref = run_both(1, 665, 4, 1024, poisoned=poisoned, sinkhorn_iters=20, lead=lead)
+    assert got[0].shape == (*lead, 4, 1024)
+    assert_close(got, ref)
+
+
+@pytest.mark.gpu
+def test_sinkhorn_bench_shape(poisoned):
+    assert_close(*run_both(4, 4096, 4, 4096, poisoned=poisoned, sinkhorn_iters=20))
+
+
+@pytest.mark.gpu
+def test_sinkhorn_deterministic():
+    inputs, grads = make_inputs(2, 3001, 4, 1024, device="cuda")
+    aux = mhc_forward_pre(*inputs, return_aux=True)[3:]
+    op = gpu_op(4, 1024, sinkhorn_iters=20)
+    first = op(*inputs, *aux, *grads)
+    for _ in range(4):
+        again = op(*inputs, *aux, *grads)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sinkhorn_iters", [1, 20])
+@pytest.mark.parametrize("n,D", [(4, 4096), (2, 520), (8, 1024)])  # (4, 4096): the single-pass forward
+def test_mhc_pre_sinkhorn_end_to_end(poisoned, n, D, sinkhorn_iters):
+    """mhc_pre(..., sinkhorn_iters) forward and loss.backward() against the golden's autograd (float64), every
+    output used, x with three leading dimensions; a second step bitwise equal."""
+    inputs, grads = make_inputs(1, 2 * 3 * 167, n, D, device="cuda")
+    inputs = (inputs[0].view(2, 3, 167, n, D), *inputs[1:])
+    grads = tuple(g.view(2, 3, 167, *g.shape[2:]) for g in grads)
+    results = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        with poisoned():
+            outs = mhc_pre(*leaves, sinkhorn_iters=sinkhorn_iters)
+            loss = sum((o.float() * g.float()).sum() for o, g in zip(outs, grads))
+            loss.backward()
+        results.append((outs, [t.grad for t in leaves]))
+    (outs, got), (outs2, got2) = results
+    ref_outs = mhc_forward_pre(*to64(inputs), sinkhorn_iters=sinkhorn_iters)
+    for o, r in zip(outs, ref_outs):
+        assert o.shape == r.shape and rel_err(o, r) < 8e-3
+    assert_close(got, mhc_backward_pre_autograd(*inputs, *grads, dtype=torch.float64, sinkhorn_iters=sinkhorn_iters))
+    assert all(torch.equal(a, b) for a, b in zip((*outs, *got), (*outs2, *got2)))
+
+
+@pytest.mark.gpu
+def test_mhc_pre_sinkhorn_torch_compile():
+    """torch.compile(fullgraph=True) over a training step through mhc_pre with 20 Sinkhorn iterations: no graph
+    break, the eager op's outputs bitwise and its gradients."""
+    n, D = 4, 4096
+    inputs, grads = make_inputs(2, 500, n, D, device="cuda")
+
+    def step(x, phi, alpha, bias):
+        h_in, h_post, h_res = mhc_pre(x, phi, alpha, bias, sinkhorn_iters=20)
+        loss = sum((o.float() * g).sum() for o, g in zip((h_in, h_post, h_res), grads))
+        return (h_in, h_post, h_res), loss
+
+    torch._dynamo.reset()
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        outs, loss = fn(*leaves)
+        loss.backward()
+        results.append((outs, [t.grad for t in leaves]))
+    (eager_outs, eager_grads), (comp_outs, comp_grads) = results
+    for o, r in zip(comp_outs, eager_outs):
+        assert torch.equal(o, r)
+    for g, r in zip(comp_grads, eager_grads):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        assert rel_err(g, r) <= 1e-5

@@ -9,24 +9,30 @@ import pytest
 import torch
 
 from golden.paged_prefill import paged_attention_prefill
-import ops.paged_prefill as ops_paged_prefill
+import ops.paged_prefill.prefill as prefill_module
+from ops.common.hw import TL_DTYPES
+from ops.common.protocol import op_class
 from ops.paged_prefill import PagedAttentionPrefillTileLang
+from ops.paged_prefill import paged_attention_prefill as paged_attention_prefill_op
+from ops.paged_prefill.custom_ops import _spec as custom_op_spec
+from ops.paged_prefill.kernels import paged_prefill_kernel
+from ops.paged_prefill.tiling import warp_specialized
 
 
 # ----------------------------------------------------------------------------- inputs
-def make_batch(q_lens, histories, num_heads, num_kv_heads, head_size, block_size, dtype, device="cpu",
+def make_batch(q_lens, histories, num_heads, num_kv_heads, head_dim, page_size, dtype, device="cpu",
                kv_layout="HND", use_alibi=False, spare_blocks=3, table_dtype=torch.int32, poison=True):
     """Random ragged batch over a shuffled paged cache. With ``poison``, cache slots past each
     sequence's end and the unused blocks hold NaN and table entries past the needed blocks hold -1,
     so any read of them shows up in the output."""
     seq_lens = [q + h for q, h in zip(q_lens, histories)]
-    needed = [-(-n // block_size) for n in seq_lens]
+    needed = [-(-n // page_size) for n in seq_lens]
     num_blocks = sum(needed) + spare_blocks
     perm = torch.randperm(num_blocks).tolist()
     max_blocks = max(needed + [1]) + 2
     tables = torch.full((len(q_lens), max_blocks), -1, dtype=table_dtype)
-    shape = ((num_blocks, num_kv_heads, block_size, head_size) if kv_layout == "HND"
-             else (num_blocks, block_size, num_kv_heads, head_size))
+    shape = ((num_blocks, num_kv_heads, page_size, head_dim) if kv_layout == "HND"
+             else (num_blocks, page_size, num_kv_heads, head_dim))
     k_cache = torch.randn(shape, dtype=torch.float32).to(dtype)
     v_cache = torch.randn(shape, dtype=torch.float32).to(dtype)
     if poison:
@@ -38,15 +44,15 @@ def make_batch(q_lens, histories, num_heads, num_kv_heads, head_size, block_size
             blk = perm[nxt]
             nxt += 1
             tables[s, b] = blk
-            valid = min(block_size, n - b * block_size)
+            valid = min(page_size, n - b * page_size)
             for cache in (k_cache, v_cache):
-                rows = torch.randn(num_kv_heads, valid, head_size).to(dtype)
+                rows = torch.randn(num_kv_heads, valid, head_dim).to(dtype)
                 if kv_layout == "HND":
                     cache[blk, :, :valid] = rows
                 else:
                     cache[blk, :valid] = rows.transpose(0, 1)
     cum = torch.tensor([0] + q_lens).cumsum(0)
-    q = torch.randn(int(cum[-1]), num_heads, head_size).to(dtype)
+    q = torch.randn(int(cum[-1]), num_heads, head_dim).to(dtype)
     alibi = torch.rand(num_heads) * 0.5 if use_alibi else None
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     return dict(q=to(q), k_cache=to(k_cache), v_cache=to(v_cache), block_tables=to(tables),
@@ -58,16 +64,16 @@ def reference_float64(q, k_cache, v_cache, block_tables, seq_lens, cum_seq_lens_
                       scale=None, kv_layout="HND"):
     """The seed's algorithm, one query token and head at a time, in float64: max pass, sum pass,
     weighted-sum pass, each reading KV position t through the block table."""
-    total_q, num_heads, head_size = q.shape
+    total_q, num_heads, head_dim = q.shape
     hkv_axis, slot_axis = (1, 2) if kv_layout == "HND" else (2, 1)
-    block_size, num_kv_heads = k_cache.shape[slot_axis], k_cache.shape[hkv_axis]
-    scale = head_size ** -0.5 if scale is None else scale
+    page_size, num_kv_heads = k_cache.shape[slot_axis], k_cache.shape[hkv_axis]
+    scale = head_dim ** -0.5 if scale is None else scale
     out = torch.zeros(q.shape, dtype=torch.float64)
     cum = cum_seq_lens_q.tolist()
 
     def row(cache, s, t, kvh):
-        blk = int(block_tables[s, t // block_size])
-        off = t % block_size
+        blk = int(block_tables[s, t // page_size])
+        off = t % page_size
         r = cache[blk, kvh, off] if kv_layout == "HND" else cache[blk, off, kvh]
         return r.double()
 
@@ -92,17 +98,17 @@ def reference_float64(q, k_cache, v_cache, block_tables, seq_lens, cum_seq_lens_
 
 
 CPU_CASES = [
-    # q_lens, histories, heads, kv heads, block_size, layout, alibi
+    # q_lens, histories, heads, kv heads, page_size, layout, alibi
     ([5, 0, 1, 7], [3, 4, 0, 9], 4, 2, 16, "HND", False),   # GQA, q_len 0 and 1, history 0
-    ([3, 6], [10, 0], 4, 1, 1, "NHD", True),                 # MQA, block_size 1, ALiBi
+    ([3, 6], [10, 0], 4, 1, 1, "NHD", True),                 # MQA, page_size 1, ALiBi
     ([9, 2, 4], [0, 17, 5], 2, 2, 4, "HND", True),          # MHA, ALiBi
     ([4, 5], [33, 2], 6, 3, 16, "NHD", False),
 ]
 
 
-@pytest.mark.parametrize("q_lens,histories,heads,kv_heads,block_size,layout,alibi", CPU_CASES)
-def test_golden_matches_float64_loop(q_lens, histories, heads, kv_heads, block_size, layout, alibi):
-    batch = make_batch(q_lens, histories, heads, kv_heads, 8, block_size, torch.float64, kv_layout=layout,
+@pytest.mark.parametrize("q_lens,histories,heads,kv_heads,page_size,layout,alibi", CPU_CASES)
+def test_golden_matches_float64_loop(q_lens, histories, heads, kv_heads, page_size, layout, alibi):
+    batch = make_batch(q_lens, histories, heads, kv_heads, 8, page_size, torch.float64, kv_layout=layout,
                        use_alibi=alibi, table_dtype=random.choice([torch.int32, torch.int64]))
     got = paged_attention_prefill(**batch, scale=0.3, kv_layout=layout)
     want = reference_float64(**batch, scale=0.3, kv_layout=layout)
@@ -121,25 +127,25 @@ def test_golden_keeps_dtype():
 # ----------------------------------------------------------------------------- validation
 @pytest.mark.parametrize("kwargs,err,match", [
     (dict(num_heads=6, num_kv_heads=4), ValueError, "num_heads"),
-    (dict(head_size=96), ValueError, "head_size"),
-    (dict(block_size=24), ValueError, "block_size"),
-    (dict(block_size=512), ValueError, "block_size"),
-    (dict(block_size=0), ValueError, "block_size"),
+    (dict(head_dim=96), ValueError, "head_dim"),
+    (dict(page_size=24), ValueError, "page_size"),
+    (dict(page_size=512), ValueError, "page_size"),
+    (dict(page_size=0), ValueError, "page_size"),
     (dict(dtype=torch.int8), TypeError, "dtype"),
     (dict(kv_layout="HDN"), ValueError, "kv_layout"),
     (dict(num_kv_heads=0), ValueError, "num_kv_heads"),
     (dict(use_alibi=1), TypeError, "use_alibi"),
-    (dict(scale=float("inf")), TypeError, "scale"),
+    (dict(scale=float("inf")), ValueError, "scale"),
     (dict(scale=-0.1), ValueError, "scale: expected a positive value"),
 ])
 def test_constructor_rejects(kwargs, err, match):
-    args = dict(num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=torch.bfloat16)
+    args = dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16)
     with pytest.raises(err, match=match):
         PagedAttentionPrefillTileLang(**{**args, **kwargs})
 
 
 # The op of the bf16 compile-only case; its kernel is built once (disk cache) for the checks below.
-VALIDATION_SPEC = dict(num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=torch.bfloat16,
+VALIDATION_SPEC = dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16,
                        use_alibi=True, kv_layout="NHD")
 
 
@@ -163,7 +169,7 @@ def _bad(name, fn):
 @pytest.fixture
 def cpu_tensors_ok(monkeypatch):
     """Lets the dtype/shape checks run on CPU tensors: only the CUDA-device error is waived."""
-    real = ops_paged_prefill.check_tensor
+    real = prefill_module.check_tensor
 
     def check(name, t, *args, **kwargs):
         try:
@@ -172,7 +178,7 @@ def cpu_tensors_ok(monkeypatch):
             if "expected a CUDA tensor" not in str(e):
                 raise
 
-    monkeypatch.setattr(ops_paged_prefill, "check_tensor", check)
+    monkeypatch.setattr(prefill_module, "check_tensor", check)
 
 
 @pytest.mark.compile
@@ -249,36 +255,36 @@ def test_value_checks(op, mutate, match):
 
 
 # ----------------------------------------------------------------------------- compile-only
-# Every dtype, head size 64/128/256, block size 1/16/64, both layouts and ALiBi on/off, once each, and
+# Every dtype, head_dim 64/128/256, page_size 1/16/64, both layouts and ALiBi on/off, once each, and
 # both kernel families (warp-specialized: 16-bit with pages >= 16 rows; gather: fp32 or small pages).
 COMPILE_SPECS = [
-    dict(num_heads=4, num_kv_heads=4, head_size=64, block_size=1, dtype=torch.float16, use_alibi=False,
+    dict(num_heads=4, num_kv_heads=4, head_dim=64, page_size=1, dtype=torch.float16, use_alibi=False,
          kv_layout="HND"),
     VALIDATION_SPEC,
-    dict(num_heads=4, num_kv_heads=1, head_size=256, block_size=64, dtype=torch.float32, use_alibi=False,
+    dict(num_heads=4, num_kv_heads=1, head_dim=256, page_size=64, dtype=torch.float32, use_alibi=False,
          kv_layout="HND"),
-    dict(num_heads=8, num_kv_heads=1, head_size=256, block_size=64, dtype=torch.float16, use_alibi=False,
+    dict(num_heads=8, num_kv_heads=1, head_dim=256, page_size=64, dtype=torch.float16, use_alibi=False,
          kv_layout="HND"),
-    dict(num_heads=2, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16, use_alibi=False,
+    dict(num_heads=2, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16, use_alibi=False,
          kv_layout="HND"),
 ]
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("spec", COMPILE_SPECS, ids=lambda s: f"{s['dtype']}-d{s['head_size']}-b{s['block_size']}")
+@pytest.mark.parametrize("spec", COMPILE_SPECS, ids=lambda s: f"{s['dtype']}-d{s['head_dim']}-b{s['page_size']}")
 def test_compiles_for_sm90a(spec):
     op = PagedAttentionPrefillTileLang(**spec)
     source = op.kernel.get_kernel_source()
     assert "paged_prefill" in source
-    ws = ops_paged_prefill.warp_specialized(ops_paged_prefill._DTYPES[spec["dtype"]], spec["block_size"])
+    ws = warp_specialized(TL_DTYPES[spec["dtype"]], spec["page_size"])
     assert ("k_full" in source) == ws  # the warp-specialized kernel's mbarrier ring
 
 
 @pytest.mark.compile
 def test_ws_config_space_builds():
     """Every warp-specialized config offered to the autotuner fits shared memory and builds."""
-    spec = dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=32, dtype=torch.bfloat16)
-    space = PagedAttentionPrefillTileLang.config_space(**dict(spec, dtype="bfloat16"))
+    spec = dict(num_heads=8, num_kv_heads=2, head_dim=64, page_size=32, dtype=torch.bfloat16)
+    space = PagedAttentionPrefillTileLang.config_space(dict(spec, dtype="bfloat16"))
     assert {c["num_stages"] for c in space} == {2, 3} and {c["block_N"] for c in space} == {64, 128}
     assert {c["cluster"] for c in space} == {1, 2}
     for config in space:
@@ -286,3 +292,112 @@ def test_ws_config_space_builds():
         assert ("tma_load_multicast" in source) == (config["cluster"] > 1)  # K/V shared by the cluster pair
         # a cluster launch allows programmatic dependent launch: the schedule kernel must be waited for
         assert ("cudaGridDependencySynchronize" in source) == (config["cluster"] > 1)
+
+
+# ----------------------------------------------------------------------------- API: deprecated names, protocol
+@pytest.mark.compile
+def test_deprecated_keywords_warn_and_work(op):
+    """head_size / block_size (now head_dim / page_size) and the constructor's validate (now a call
+    keyword) still work for one release, with a FutureWarning; the op is the same specialization."""
+    old = dict(VALIDATION_SPEC)
+    old["head_size"], old["block_size"] = old.pop("head_dim"), old.pop("page_size")
+    with pytest.warns(FutureWarning) as record:
+        renamed_op = PagedAttentionPrefillTileLang(**old)
+    messages = {str(w.message) for w in record}
+    assert any("'head_size' is deprecated, use 'head_dim'" in m for m in messages)
+    assert any("'block_size' is deprecated, use 'page_size'" in m for m in messages)
+    assert (renamed_op.head_dim, renamed_op.page_size) == (128, 16)
+    assert renamed_op.spec == op.spec and renamed_op.config == op.config and renamed_op.validate is True
+    with pytest.warns(FutureWarning, match="head_dim"):
+        assert renamed_op.head_size == 128
+    with pytest.warns(FutureWarning, match="page_size"):
+        assert renamed_op.block_size == 16
+    with pytest.warns(FutureWarning, match="'validate' is deprecated"):
+        no_checks = PagedAttentionPrefillTileLang(**VALIDATION_SPEC, validate=False)
+    assert no_checks.validate is False and no_checks.spec == op.spec  # the call's default
+    with pytest.raises(TypeError, match="both 'head_size' and its new name 'head_dim'"):
+        PagedAttentionPrefillTileLang(**VALIDATION_SPEC, head_size=128)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'head_dimm'"):
+        PagedAttentionPrefillTileLang(**VALIDATION_SPEC, head_dimm=128)
+    with pytest.raises(TypeError, match="missing"):
+        PagedAttentionPrefillTileLang(num_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+
+
+@pytest.mark.compile
+def test_call_validate_keyword_type(op, cpu_tensors_ok):
+    with pytest.raises(TypeError, match="validate: expected a bool"):
+        op(**_valid_batch(), validate=1)
+
+
+def test_protocol():
+    cls = op_class("paged_prefill")
+    assert cls is PagedAttentionPrefillTileLang and cls.tunable_kernel({}) is paged_prefill_kernel
+    assert not hasattr(cls, "DEFAULT_CONFIG")
+    for spec in cls.warm_specs:  # constructor keywords in the new vocabulary
+        assert {"num_heads", "num_kv_heads", "head_dim", "page_size", "dtype"} <= set(spec)
+    for page_size, dtype, d in [(16, "bfloat16", 128), (64, "float16", 256), (1, "float16", 64), (64, "float32", 256)]:
+        spec = dict(head_dim=d, dtype=dtype, page_size=page_size)
+        default, space = cls.default_config(spec), cls.config_space(spec)
+        assert space and all(set(c) == set(default) for c in space)
+
+
+# ----------------------------------------------------------------------------- custom op (fake / meta)
+def _meta_inputs(num_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout, device="meta", alibi=False):
+    cache = ((40, num_kv_heads, page_size, head_dim) if kv_layout == "HND" else (40, page_size, num_kv_heads, head_dim))
+    ints = lambda *shape: torch.empty(shape, dtype=torch.int32, device=device)  # noqa: E731
+    return dict(q=torch.empty(37, num_heads, head_dim, dtype=dtype, device=device),
+                k_cache=torch.empty(cache, dtype=dtype, device=device),
+                v_cache=torch.empty(cache, dtype=dtype, device=device),
+                block_tables=ints(3, 9), seq_lens=ints(3), cum_seq_lens_q=ints(4),
+                alibi_slopes=torch.empty(num_heads, device=device) if alibi else None)
+
+
+@pytest.mark.parametrize("dtype,kv_layout,alibi", [(torch.bfloat16, "HND", False), (torch.float16, "NHD", True),
+                                                   (torch.float32, "HND", True)])
+def test_custom_op_fake_shapes(dtype, kv_layout, alibi):
+    inputs = _meta_inputs(8, 2, 128, 16, dtype, kv_layout, alibi=alibi)
+    out = torch.ops.llm_tile_ops.paged_attention_prefill(**inputs, kv_layout=kv_layout)
+    assert out.shape == inputs["q"].shape and out.dtype == dtype and out.device.type == "meta"
+    out = paged_attention_prefill_op(**inputs, scale=0.1, kv_layout=kv_layout, validate=False)
+    assert out.shape == inputs["q"].shape and out.dtype == dtype
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = _meta_inputs(8, 2, 128, 16, dtype, kv_layout, device="cuda", alibi=alibi)
+        out = paged_attention_prefill_op(**fake, kv_layout=kv_layout)
+        assert out.shape == fake["q"].shape and out.dtype == dtype and out.device.type == "cuda"
+
+
+def test_custom_op_spec_from_shapes():
+    inputs = _meta_inputs(12, 4, 64, 32, torch.float16, "NHD", alibi=True)
+    assert custom_op_spec(inputs["q"], inputs["k_cache"], inputs["alibi_slopes"], None, "NHD") == dict(
+        num_heads=12, num_kv_heads=4, head_dim=64, page_size=32, dtype=torch.float16, use_alibi=True, scale=None,
+        kv_layout="NHD")
+    inputs = _meta_inputs(8, 1, 256, 64, torch.bfloat16, "HND")
+    assert custom_op_spec(inputs["q"], inputs["k_cache"], None, 0.5, "HND") == dict(
+        num_heads=8, num_kv_heads=1, head_dim=256, page_size=64, dtype=torch.bfloat16, use_alibi=False, scale=0.5,
+        kv_layout="HND")
+    with pytest.raises(ValueError, match="kv_layout"):
+        custom_op_spec(inputs["q"], inputs["k_cache"], None, None, "NDH")
+    with pytest.raises(ValueError, match="q: expected shape"):
+        custom_op_spec(inputs["q"][0], inputs["k_cache"], None, None, "HND")
+    with pytest.raises(ValueError, match="k_cache: expected a 4-d"):
+        custom_op_spec(inputs["q"], inputs["k_cache"][0], None, None, "HND")
+
+
+@pytest.mark.parametrize("validate", [False, True])
+def test_custom_op_traces_in_one_graph(validate):
+    """torch.compile(fullgraph=True) traces a function calling the custom op with no graph break (meta
+    tensors run the fake: no kernel, no GPU), also for a second, larger batch (dynamic shapes)."""
+    def fn(q, k_cache, v_cache, block_tables, seq_lens, cum_seq_lens_q, alibi_slopes):
+        return paged_attention_prefill_op(q, k_cache, v_cache, block_tables, seq_lens, cum_seq_lens_q, alibi_slopes,
+                                          kv_layout="NHD", validate=validate) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for alibi in (True, False):
+        inputs = _meta_inputs(8, 2, 128, 16, torch.bfloat16, "NHD", alibi=alibi)
+        out = compiled(**inputs)
+        assert out.shape == inputs["q"].shape and out.dtype == torch.bfloat16
+    inputs["q"] = torch.empty(91, 8, 128, dtype=torch.bfloat16, device="meta")
+    assert compiled(**inputs).shape == (91, 8, 128)

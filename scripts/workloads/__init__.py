@@ -1,7 +1,9 @@
 """Per-operator demo cases and bench workloads, discovered by scripts/demo.py and scripts/bench.py.
 
 Each module defines ``demo_cases(device) -> list[dict]`` (keys: name, shape, golden, compiled, compare)
-and ``bench(b)`` (rows through the Bench object of scripts/bench.py)."""
+and ``bench(b)`` (rows through the Bench object of scripts/bench.py); a module whose ops have tunables
+also defines ``AUTOTUNE = {op_name: case}``, where ``case(**shape)`` returns ``[(op, call_inputs)]`` on
+the GPU for scripts/autotune.py."""
 
 import importlib
 import importlib.util
@@ -21,3 +23,16 @@ def peer_module(path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def names():
+    """The workload modules' names: what ``scripts/bench.py --op`` takes."""
+    return [m.name for m in pkgutil.iter_modules(__path__)]
+
+
+def autotune_cases():
+    """{op_name: case} over every workload module (see the module docstring)."""
+    cases = {}
+    for mod in modules():
+        cases.update(getattr(mod, "AUTOTUNE", {}))
+    return cases

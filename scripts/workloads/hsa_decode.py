@@ -4,7 +4,7 @@ page_size 64, topk 64, window 512."""
 import torch
 
 from golden.hsa_decode import hsa_decode, local_range, random_case
-from ops.hsa_decode import HSADecodeTileLang, HSAPageReprTileLang
+from ops.hsa import HSADecodeTileLang, HSAPageReprTileLang
 
 OP = "HSADecodeTileLang"
 H, HKV, D, PS, TOPK, WINDOW = 32, 8, 128, 64, 64, 512

@@ -1,4 +1,5 @@
-"""mHC pre backward: demo case and the issue's bench rows (tokens 16384, n=4, D in {4096, 7168}, bf16).
+"""mHC pre backward: demo case and the issue's bench rows (tokens 16384, n=4, D in {4096, 7168}, bf16), each
+also with DeepSeek-V4's 20 Sinkhorn iterations beside the backward without them.
 
 Peers: the golden's autograd backward (torch.autograd.grad through golden.mhc_pre's forward, graph
 built once outside the timing) and the same under torch.compile. Bytes counted: x, grad_h_in and the
@@ -10,9 +11,10 @@ import torch._functorch.config
 
 from golden.mhc_pre import mhc_forward_pre, random_inputs
 from golden.mhc_pre_bwd import mhc_backward_pre_autograd
-from ops.mhc_pre_bwd import MHCBackwardPreTileLang
+from ops.mhc import MHCBackwardPreTileLang
 
 OP = "mhc_pre_bwd"
+SINKHORN_ITERS = 20  # DeepSeek-V4's
 
 
 def _inputs(B, S, n, D, device):
@@ -48,6 +50,9 @@ def autotune_cases(n=4, D=4096, tokens=16384):
     return [(MHCBackwardPreTileLang(1, tokens, n, D), (*saved, *grads))]
 
 
+AUTOTUNE = {OP: autotune_cases}
+
+
 def _autograd_backward(forward, saved, grads):
     """A zero-arg callable running only the backward of ``forward`` (graph built here, retained)."""
     leaves = [t.detach().float().requires_grad_() for t in saved[:4]]
@@ -78,4 +83,23 @@ def bench(b):
         frac = moved / (ours * 1e-3) / 1e9 / b.copy_gbs
         b.target(OP, wl, ">= 70% of the measured copy bandwidth", frac >= 0.7)
         b.target(OP, wl, ">= 5x faster than the golden's autograd", golden >= 5 * ours)
+        _bench_sinkhorn(b, op, wl, saved, grads, moved)
         del saved, grads, x
+
+
+def _bench_sinkhorn(b, plain, wl, saved, grads, moved):
+    """The backward through SINKHORN_ITERS iterations (grad_h_res is then comb's gradient) beside the same op
+    without them, timed in interleaved rounds, and the golden's autograd through them."""
+    n, D = saved[0].shape[-2:]
+    op = MHCBackwardPreTileLang(1, saved[0].shape[1], n, D, sinkhorn_iters=SINKHORN_ITERS)
+    wl = f"{wl} sinkhorn_iters={SINKHORN_ITERS}"
+    times = b.time_many({"with": lambda: op(*saved, *grads), "without": lambda: plain(*saved, *grads)})
+    b.row(OP, wl, "tilelang", times["with"], bytes=moved, ours=True)
+    b.row(OP, wl, "ours, sinkhorn_iters=0", times["without"], bytes=moved)
+
+    def forward(x, phi, alpha, bias):
+        return mhc_forward_pre(x, phi, alpha, bias, sinkhorn_iters=SINKHORN_ITERS)
+
+    golden = b.time(_autograd_backward(forward, saved, grads))
+    b.row(OP, wl, "golden autograd (eager)", golden, bytes=moved)
+    b.target(OP, wl, ">= 5x faster than the golden's autograd", golden >= 5 * times["with"])

@@ -9,31 +9,31 @@ OP = "PagedAttentionPrefillTileLang"
 H, HKV, D = 32, 8, 128
 
 
-def paged_inputs(q_lens, histories, block_size, dtype=torch.bfloat16, device="cuda", num_heads=H,
-                 num_kv_heads=HKV, head_size=D, kv_layout="HND", seed=0):
+def paged_inputs(q_lens, histories, page_size, dtype=torch.bfloat16, device="cuda", num_heads=H,
+                 num_kv_heads=HKV, head_dim=D, kv_layout="HND", seed=0):
     """Random q and a paged cache whose blocks are scattered in a random order."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     seq_lens = torch.tensor([q + h for q, h in zip(q_lens, histories)])
-    needed = (seq_lens + block_size - 1) // block_size
+    needed = (seq_lens + page_size - 1) // page_size
     num_blocks = int(needed.sum())
     perm = torch.randperm(num_blocks, generator=gen)
     tables = torch.zeros(len(q_lens), max(int(needed.max()), 1), dtype=torch.int32)
     for s, ids in enumerate(perm.split(needed.tolist())):
         tables[s, :len(ids)] = ids
-    shape = ((num_blocks, num_kv_heads, block_size, head_size) if kv_layout == "HND"
-             else (num_blocks, block_size, num_kv_heads, head_size))
+    shape = ((num_blocks, num_kv_heads, page_size, head_dim) if kv_layout == "HND"
+             else (num_blocks, page_size, num_kv_heads, head_dim))
     cum = torch.tensor([0] + list(q_lens)).cumsum(0).to(torch.int32)
-    return dict(q=torch.randn(int(cum[-1]), num_heads, head_size, generator=gen).to(device, dtype),
+    return dict(q=torch.randn(int(cum[-1]), num_heads, head_dim, generator=gen).to(device, dtype),
                 k_cache=torch.randn(shape, generator=gen).to(device, dtype),
                 v_cache=torch.randn(shape, generator=gen).to(device, dtype),
                 block_tables=tables.to(device), seq_lens=seq_lens.to(device, torch.int32),
                 cum_seq_lens_q=cum.to(device))
 
 
-def causal_flops(q_lens, histories, num_heads=H, head_size=D):
+def causal_flops(q_lens, histories, num_heads=H, head_dim=D):
     """2 matmuls x 2 flops per (query, visible key, dim): query i sees history + i + 1 keys."""
     pairs = sum(q * h + q * (q + 1) // 2 for q, h in zip(q_lens, histories))
-    return 4 * pairs * num_heads * head_size
+    return 4 * pairs * num_heads * head_dim
 
 
 def _compare(golden_out, compiled_out):
@@ -83,12 +83,12 @@ def bench(b):
     quick = b.quick
     tflops = {}
 
-    def case(workload, q_lens, histories, block_size, peers):
-        batch = paged_inputs(q_lens, histories, block_size)
-        op = PagedAttentionPrefillTileLang(H, HKV, D, block_size, torch.bfloat16, validate=False)
+    def case(workload, q_lens, histories, page_size, peers):
+        batch = paged_inputs(q_lens, histories, page_size)
+        op = PagedAttentionPrefillTileLang(H, HKV, D, page_size, torch.bfloat16)
         flops = causal_flops(q_lens, histories)
         out = torch.empty_like(batch["q"])
-        fns = {"tilelang": lambda: op(**batch, out=out)}
+        fns = {"tilelang": lambda: op(**batch, out=out, validate=False)}
         if peers:
             fns.update(_sdpa_peers(workload, q_lens, histories, batch))
         times = b.time_many(fns)
@@ -106,7 +106,7 @@ def bench(b):
         b.target(OP, wa, ">= 1.0x fastest SDPA backend (causal)", ms <= best)
 
     hist = 1024 if quick else 15360
-    best_b = None  # SDPA runs on contiguous data: one peer timing serves both block sizes
+    best_b = None  # SDPA runs on contiguous data: one peer timing serves both page sizes
     for bs in (16, 64):
         wb = f"(b) {n}x1024 new + {hist} history, bs{bs}"
         ms, best = case(wb, [1024] * n, [hist] * n, bs, peers=best_b is None)
@@ -123,3 +123,16 @@ def bench(b):
     case(wc, q_lens, histories, 16, peers=False)
     worst_b = min(v for k, v in tflops.items() if k.startswith("(b)"))
     b.target(OP, wc, "TFLOP/s no worse than (b) by more than 25%", tflops[wc] >= 0.75 * worst_b)
+
+
+def autotune_case(num_heads=H, num_kv_heads=HKV, head_dim=D, page_size=16, num_seqs=4, q_len=1024, history=15360):
+    """scripts/autotune.py --op paged_prefill [--shape page_size=64,history=0,q_len=4096,...]: the op of
+    that specialization on a batch of `num_seqs` sequences of `q_len` new tokens after `history` cached ones
+    (default: bench row (b))."""
+    op = PagedAttentionPrefillTileLang(num_heads, num_kv_heads, head_dim, page_size, torch.bfloat16)
+    batch = paged_inputs([q_len] * num_seqs, [history] * num_seqs, page_size, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim)
+    return [(op, tuple(batch.values()))]
+
+
+AUTOTUNE = {PagedAttentionPrefillTileLang.op_name: autotune_case}

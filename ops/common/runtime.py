@@ -1,12 +1,14 @@
-"""Shared runtime of the operator collection: target choice, kernel disk cache, tuned-config store
-and argument validation. Imported by ``ops/__init__.py`` before anything imports TileLang, because
-TileLang reads its cache directory when it is first imported.
+"""Shared runtime of the operator collection: target choice, kernel disk cache, kernel builds (logged
+through the ``llm_tile_ops`` logger) and the tuned-config store. Imported before any kernel module
+imports TileLang.
 
 Environment variables:
   LLM_TILE_OPS_CACHE_DIR  where compiled kernels and tuned configs live
                           (default: ``compile_cache/`` of a source checkout, else ~/.cache/llm-tile-ops)
   LLM_TILE_OPS_TARGET     TileLang target, e.g. '{"kind": "cuda", "arch": "sm_90a"}'
-                          (default: the current GPU's arch, else sm_90a so kernels build without a GPU)
+                          (default: sm_90a on a Hopper GPU or without CUDA, so kernels build on a CPU
+                          machine; any other GPU is refused at construction)
+  TILELANG_CACHE_DIR      TileLang's own kernel cache; respected when set, else put beside ours
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import logging
 import os
 import pathlib
-from collections.abc import Sequence
+import time
 
-_REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+_REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 _DEFAULT_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
 
@@ -34,24 +37,31 @@ def cache_dir() -> pathlib.Path:
 
 CACHE_DIR = cache_dir()
 CACHE_DIR.mkdir(parents=True, exist_ok=True)
-# TileLang's own kernel cache (keyed by kernel source, target and compile options) lives here too;
-# it verifies entries and recompiles corrupted or partial ones.
-os.environ["TILELANG_CACHE_DIR"] = str(CACHE_DIR / "tilelang")
-os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
+# TileLang's own kernel cache (keyed by kernel source, target and compile options; it verifies entries and
+# recompiles corrupted or partial ones) lives beside ours unless the user chose a place for it. TileLang
+# reads the variable at every lookup, so this holds whenever TileLang was imported.
+os.environ.setdefault("TILELANG_CACHE_DIR", str(CACHE_DIR / "tilelang"))
+os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")  # our logger reports builds instead
+
+logger = logging.getLogger("llm_tile_ops")
 
 import tilelang  # noqa: E402  (must follow the cache-dir setup above)
 import torch  # noqa: E402
 
 
 def target() -> dict:
-    """The TileLang target dict kernels are built for."""
+    """The TileLang target dict kernels are built for: ``LLM_TILE_OPS_TARGET``, else sm_90a. On a CUDA
+    machine whose GPU is not Hopper this raises: the kernels use wgmma, TMA and clusters (sm_90a)."""
     override = os.environ.get("LLM_TILE_OPS_TARGET")
     if override:
         return json.loads(override)
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
-        # sm_90a unlocks wgmma/TMA paths; other arches have no arch-specific suffix we rely on.
-        return {"kind": "cuda", "arch": f"sm_{major}{minor}{'a' if major == 9 else ''}"}
+        if (major, minor) != (9, 0):
+            raise RuntimeError(
+                f"llm_tile_ops kernels need a Hopper GPU (sm_90: H100, H200, H20, H800); the current GPU is "
+                f"{torch.cuda.get_device_name()} (sm_{major}{minor}). To only build kernels here, set "
+                f"LLM_TILE_OPS_TARGET='{json.dumps(_DEFAULT_TARGET)}'.")
     return dict(_DEFAULT_TARGET)
 
 
@@ -113,9 +123,34 @@ def max_active_clusters(cluster: int, threads: int, smem_bytes: int, device: int
         return count.value
 
 
+def _missing_toolkit() -> str | None:
+    """What a build lacks, or None: nvcc where TileLang runs it, ``<CUDA home>/bin/nvcc``, the CUDA home
+    being ``CUDA_HOME`` / ``CUDA_PATH``, else that of the nvcc on PATH, else the pip package
+    ``nvidia-cuda-nvcc``, else /usr/local/cuda."""
+    from tilelang import env
+
+    if env.CUDA_HOME and os.path.isfile(os.path.join(env.CUDA_HOME, "bin", "nvcc")):
+        return None
+    return (f"building llm_tile_ops kernels needs nvcc, not found (CUDA home: {env.CUDA_HOME or 'none found'}). "
+            "Install pip's CUDA compiler with `pip install 'llm-tile-ops[nvcc]'` (in a checkout: "
+            "`pip install -e '.[nvcc]'`), or a CUDA toolkit >= 12.8 (then set CUDA_HOME or put its nvcc on PATH).")
+
+
 def compile_kernel(prim_func, out_idx=None, pass_configs: dict | None = None):
-    """Build (or load from the disk cache) a TileLang kernel for ``target()``."""
-    return tilelang.compile(prim_func, out_idx=out_idx, target=target(), pass_configs=pass_configs)
+    """Build (or load from the disk cache) a TileLang kernel for ``target()``, logging its name and time. A
+    kernel in the cache loads without a CUDA compiler; a build without one fails naming what to install."""
+    tgt = target()
+    name = str(prim_func.attrs["global_symbol"]) if prim_func.attrs and "global_symbol" in prim_func.attrs else "?"
+    start = time.perf_counter()
+    try:
+        kernel = tilelang.compile(prim_func, out_idx=out_idx, target=tgt, pass_configs=pass_configs)
+    except Exception as err:
+        missing = _missing_toolkit()
+        if missing:
+            raise RuntimeError(missing) from err
+        raise
+    logger.info("kernel %s for %s ready in %.1f s", name, tgt["arch"], time.perf_counter() - start)
+    return kernel
 
 
 # ----------------------------------------------------------------------------- tuned configs
@@ -156,49 +191,3 @@ def resolve_config(op: str, spec: dict, config: dict | None, default: dict) -> d
         return {**default, **config}
     stored = load_tuned(op, spec)
     return {**default, **stored} if stored and set(stored) <= set(default) else dict(default)
-
-
-# ----------------------------------------------------------------------------- validation
-def check_choice(name: str, value, choices: Sequence) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
-
-
-def check_int(name: str, value, lo: int | None = None, hi: int | None = None,
-              multiple_of: int | None = None, power_of_two: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    if lo is not None and value < lo:
-        raise ValueError(f"{name}: expected >= {lo}, got {value}")
-    if hi is not None and value > hi:
-        raise ValueError(f"{name}: expected <= {hi}, got {value}")
-    if multiple_of is not None and value % multiple_of:
-        raise ValueError(f"{name}: expected a multiple of {multiple_of}, got {value}")
-    if power_of_two and (value < 1 or value & (value - 1)):
-        raise ValueError(f"{name}: expected a power of two, got {value}")
-
-
-def check_tensor(name: str, t, dtype: torch.dtype | Sequence[torch.dtype] | None = None,
-                 shape: Sequence[int | None] | None = None, device: torch.device | None = None,
-                 contiguous: bool = True) -> None:
-    """Raise TypeError/ValueError naming ``name`` unless ``t`` is a CUDA tensor of the given
-    dtype(s) and shape (``None`` in ``shape`` accepts any size), contiguous, on ``device``."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if dtype is not None:
-        dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
-        if t.dtype not in dtypes:
-            want = dtypes[0] if len(dtypes) == 1 else list(dtypes)
-            raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
-    if shape is not None:
-        ok = t.dim() == len(shape) and all(s is None or s == a for s, a in zip(shape, t.shape))
-        if not ok:
-            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
-    if t.device.type != "cuda":
-        raise ValueError(f"{name}: expected a CUDA tensor, got device {t.device}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor, got strides {list(t.stride())}")
-

@@ -1,0 +1,62 @@
+"""Host-side constants and schedules of the HSA decode kernels: tile sizes, the selection key's layout, the
+score kernel's thread layout, the decode's shared-memory model and its split count (see docs/design/hsa.md)."""
+
+from __future__ import annotations
+
+import functools
+
+from ..common.hw import SMEM_PER_SM
+
+RADIX = 256  # histogram bins of one radix-select digit (= threads of the top-k kernel)
+IDX_BITS = 24  # logical page index bits of the selection key (max_pages < 2**24)
+RANK_MAX = 2 * RADIX  # up to this many top-k candidates are ranked by counting, without radix passes
+HIST_BITS = 12  # the top-k counts a row's keys by their top bits: 1/8 of an octave of scores a bin
+HIST_BINS = 1 << HIST_BITS
+RANK_UNROLL = 8
+VEC = 8  # 16-bit elements of one 16-byte load
+QROWS_DECODE = 16  # query rows of the decode products (one mma M tile; G <= 16)
+ZCOLS = 32  # reprs of a split's selected pages: the N of the z product (>= items per split)
+DECODE_CTAS_PER_SM = 4  # register bound of a decode CTA (115 registers x 128 threads at the bench shape)
+
+
+def local_pages_max(page_size: int, window_size: int) -> int:
+    """Most logical pages the local tokens [lo, L) can touch: at most max(window, page_size - 1) tokens,
+    starting anywhere in a page."""
+    return (max(window_size, page_size - 1) + page_size - 1) // page_size + 1
+
+
+def decode_smem(page_size: int, head_dim: int) -> int:
+    """Bytes of shared memory of a decode CTA (16-bit K, V, q and repr tiles)."""
+    return (2 * page_size + QROWS_DECODE + ZCOLS) * head_dim * 2
+
+
+def decode_ctas_per_sm(page_size: int, head_dim: int) -> int:
+    """Decode CTAs resident per SM: the register bound, or fewer where shared memory (plus the 1 KiB the
+    SM reserves per CTA) runs out first."""
+    return max(1, min(DECODE_CTAS_PER_SM, SMEM_PER_SM // (decode_smem(page_size, head_dim) + 1024)))
+
+
+@functools.lru_cache(maxsize=None)
+def num_splits(rows: int, n_items: int, slots: int, overhead: int) -> int:
+    """Decode split count for ``rows`` (request, kv head) pairs of at most ``n_items`` items each, when
+    ``slots`` CTAs run at once: the one with the least (waves of CTAs) x (items per split + overhead),
+    ``overhead`` pricing a split's fixed work (query, selected ids, reprs and z before its first page)
+    in items; ties to fewer splits. A split holds at most ZCOLS items (its reprs fill the z tile).
+    At small batch this fills whole waves instead of leaving a short last one."""
+    def cost(s):
+        return -(-rows * s // slots) * (-(-n_items // s) + overhead)
+    return min(range(-(-n_items // ZCOLS), n_items + 1), key=lambda s: (cost(s), s))
+
+
+def score_layout(num_kv_heads: int, head_dim: int, max_threads: int = 256) -> tuple[int, int]:
+    """(heads per CTA, pages per step) of the score kernel. A CTA reads whole rows: the reprs of its
+    heads of one page, head_dim / 8 lanes of 16 bytes per head (all kv heads = one contiguous 2 KB row at
+    the bench shape); most heads first, then as many rows per step as fit in max_threads whole warps."""
+    lph = head_dim // VEC
+    for hc in range(num_kv_heads, 0, -1):
+        vr = hc * lph
+        if num_kv_heads % hc == 0 and vr <= max_threads:
+            rows = [r for r in range(1, max_threads // vr + 1) if r * vr % 32 == 0]
+            if rows:
+                return hc, rows[-1]
+    raise AssertionError("unreachable: one head (8..32 lanes) always fits")

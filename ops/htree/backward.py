@@ -1,0 +1,209 @@
+"""htree backward (``HTreeBackwardTileLang``): the gradient of the forward (``golden.htree``) with its selections held
+constant, deterministic (no floating-point atomics).
+
+The forward's output is one softmax over the merged candidates of all layers, so with P = exp(s - lse) (lse: the
+forward's final log-sum-exp per query head), D = rowsum(dO * O) and dS = P (dO . v - D): dq = scale sum R_q^T dS
+k_rot, and every merged candidate node gets dK += scale R_c^T dS q_rot, dV += P dO, with R_q the query's rotation at
+its layer's position n - 1 and R_c the candidate's at its buffer position. A node above the tokens then passes its
+dK, dV to its existing children, divided by their count. Kernels (``ops/htree/kernels/bwd_*.py``; the design and its
+costs: docs/design/htree.md):
+  - ``htree_pool_kernel`` / ``htree_rope_kernel`` (the forward's): the tree and the rotated top layer, rebuilt;
+  - ``htree_bwd_delta_kernel``: D;
+  - per slab of queries, from the slab's index structures (``bwd_index``: the selections as nodes, winner flags,
+    candidate counts, and per layer below the top the lists parent -> queries that selected it):
+    ``htree_bwd_top_dq_kernel`` (the top layer's part of dq, GEMMs over query blocks),
+    ``htree_bwd_top_dkv_kernel`` (the top layer's dK, dV, GEMMs over node blocks),
+    ``htree_bwd_rows_kernel`` (the lower layers' part of dq, one CTA per row; writes dq),
+    ``htree_bwd_nodes_kernel`` once per lower layer (its nodes' dK, dV, one CTA per parent's children);
+  - ``htree_bwd_unpool_kernel``: the push-down from the top layer to the tokens, writing dk, dv.
+Every accumulator element is written by one CTA per launch, in a fixed order, so dq, dk and dv are bitwise
+reproducible.
+
+Memory: fp32 accumulators for dK and dV of every layer, (T + sum_{l >= 1} N_l) x Hkv x (K + V) x 4 bytes per batch
+row (~(K + V) x Hkv x 4.27 bytes per token at r = 16), D [B, T, H] fp32, the rebuilt tree, and per slab of queries
+the index structures (about 12 (L-1) Hkv top_k + (L-1) Hkv nbuf + 4 H K bytes per query, plus one layer's sort of
+B S Hkv top_k pairs); the slab is sized so that these stay under 4 GiB (~10K queries at the bench's (b)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..common.protocol import Op
+from ..common.runtime import compile_kernel, resolve_config
+from ..common.validate import check_bool, check_tensor, check_values
+from .bwd_index import parent_lists, slab_index
+from .forward import check_spec
+from .kernels.bwd_nodes import LIST_SLOT_BITS, children_tile, htree_bwd_nodes_kernel
+from .kernels.bwd_rows import htree_bwd_rows_kernel
+from .kernels.bwd_top import htree_bwd_top_dkv_kernel, htree_bwd_top_dq_kernel
+from .kernels.bwd_tree import htree_bwd_delta_kernel, htree_bwd_unpool_kernel
+from .kernels.pool_rope import htree_pool_kernel, htree_rope_kernel
+from .tree import build_tree, layer_sizes, pack_bits, rope_tables
+
+_SMEM = 200 * 1024  # what the tile choices below let a CTA's operand tiles take
+_REGS = 96  # fp32 accumulator registers per thread the tile choices allow (128 threads)
+
+
+def _operand_bytes(dtype: str) -> int:
+    """Shared bytes of one operand element: 16-bit, or fp32 as two TF32 halves."""
+    return 8 if dtype == "float32" else 2
+
+
+class HTreeBackwardTileLang(Op):
+    """``op(do, q, k, v, o, lse, selections, validate=True) -> (dq, dk, dv)`` in the inputs' dtype: the gradient of
+    ``HTreeForwardTileLang`` (same specification arguments) at (q, k, v) for the output gradient do [B, T, H, V],
+    given what ``HTreeForwardTileLang.forward_for_backward`` returns: o [B, T, H, V], lse [B, T, H] fp32 and the
+    selections [L-1, B, T, Hkv, top_k] int16 (the winners' candidate-buffer positions). ``validate`` checks the
+    selections' values against the forward's rules (one host sync per slab of queries); False skips that.
+    Deterministic: the same inputs give bitwise the same gradients. The differentiable functional form:
+    ``ops.htree.htree_attention``."""
+
+    op_name = "htree_bwd"
+    warm_specs = (
+        dict(num_heads=64, num_kv_heads=4, head_dim=32, dtype=torch.float32),
+        dict(num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16),
+    )
+    _SLAB_BYTES = 1 << 32  # the per-slab index structures and workspaces
+
+    @classmethod
+    def default_config(cls, spec: dict) -> dict:
+        """Tile sizes from a shared-memory and register model (the largest that fit, see ``_SMEM`` / ``_REGS``):
+        the top layer's dq (rows, nodes per chunk), dK/dV (nodes, rows), the rows kernel's chunk, the nodes kernel's
+        rows per block."""
+        K, V, e = spec["head_dim"], spec["v_head_dim"], _operand_bytes(spec["dtype"])
+        top_dq = next((bm, bn) for bm, bn in ((64, 64), (64, 32), (32, 32), (16, 32))
+                      if ((bm + bn) * (K + V) + bm * bn) * e + 4 * bm * K <= _SMEM
+                      and bm * (2 * bn + K) // 128 <= _REGS)
+        top_dkv = next((bn, bm) for bn, bm in ((32, 64), (16, 64), (16, 32), (16, 16))
+                       if ((bn + bm) * (K + V) + 2 * bn * bm) * e + 4 * bn * K + 8 * bm <= _SMEM
+                       and bn * (2 * bm + K + V) // 128 <= _REGS * 2 // 3)
+        rows = next((bn for bn in (64, 32) if ((16 + bn) * (K + V) + 16 * bn) * e + 8 * 16 * K <= _SMEM // 2), 32)
+        ct = children_tile(spec["compression_rate"])
+        nodes = next(bm for bm in (64, 32, 16)
+                     if ((ct + bm) * (K + V) + 2 * ct * bm) * e + 4 * ct * K + 28 * bm <= _SMEM)
+        return {"top_dq_block_m": top_dq[0], "top_dq_block_n": top_dq[1], "top_dkv_block_n": top_dkv[0],
+                "top_dkv_block_m": top_dkv[1], "rows_block_n": rows, "nodes_block_m": nodes}
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, v_head_dim=None, compression_rate=16,
+                 top_k_per_layer=512, max_top_nodes=8192, rope_base=10000.0, dtype=torch.bfloat16,
+                 scale=None, config=None):
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        self.rope_base, self.scale, tl_dtype = check_spec(num_heads, num_kv_heads, head_dim, v_head_dim,
+                                                          compression_rate, top_k_per_layer, max_top_nodes, rope_base,
+                                                          dtype, scale)
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim, self.v_head_dim = head_dim, v_head_dim
+        self.compression_rate, self.top_k_per_layer, self.max_top_nodes = compression_rate, top_k_per_layer, \
+            max_top_nodes
+        self.dtype = dtype
+        self.nbuf = 1 << pack_bits(compression_rate, top_k_per_layer, max_top_nodes)
+        self.spec = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+                     "v_head_dim": v_head_dim, "compression_rate": compression_rate,
+                     "top_k_per_layer": top_k_per_layer, "max_top_nodes": max_top_nodes, "scale": self.scale,
+                     "dtype": tl_dtype}
+        self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
+        c = self.config
+        H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
+        self.pool = compile_kernel(htree_pool_kernel(Hkv, K, V, r, tl_dtype))
+        self.rope = compile_kernel(htree_rope_kernel(Hkv, K, tl_dtype))
+        self.delta = compile_kernel(htree_bwd_delta_kernel(H, V, tl_dtype))
+        self.top_dq = compile_kernel(htree_bwd_top_dq_kernel(H, Hkv, K, V, self.scale, tl_dtype,
+                                                             block_m=c["top_dq_block_m"], block_n=c["top_dq_block_n"]))
+        self.top_dkv = compile_kernel(htree_bwd_top_dkv_kernel(H, Hkv, K, V, self.scale, tl_dtype,
+                                                               block_m=c["top_dkv_block_m"],
+                                                               block_n=c["top_dkv_block_n"]))
+        self.rows = compile_kernel(htree_bwd_rows_kernel(H, Hkv, K, V, r, top_k_per_layer, max_top_nodes, self.scale,
+                                                         tl_dtype, block_n=c["rows_block_n"]))
+        self.nodes = compile_kernel(htree_bwd_nodes_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, tl_dtype,
+                                                           block_m=c["nodes_block_m"]))
+        self.unpool = compile_kernel(htree_bwd_unpool_kernel(Hkv, K, V, r, tl_dtype, final=False))
+        self.unpool_out = compile_kernel(htree_bwd_unpool_kernel(Hkv, K, V, r, tl_dtype, final=True))
+        self._tables = {}
+
+    # ----------------------------------------------------------------------------- call
+    def _rope(self, device):
+        if device not in self._tables:
+            self._tables[device] = rope_tables(self.head_dim, self.nbuf, self.rope_base, torch.float32, device)
+        return self._tables[device]
+
+    def _check(self, do, q, k, v, o, lse, selections):
+        if isinstance(q, torch.Tensor) and q.dim() == 4 and 0 in q.shape[:2]:
+            raise ValueError(f"q: expected B >= 1 and T >= 1, got shape {list(q.shape)}")
+        H, Hkv, K, V = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
+        check_tensor("q", q, self.dtype, (None, None, H, K))
+        B, T = q.shape[:2]
+        check_tensor("k", k, self.dtype, (B, T, Hkv, K), q.device)
+        check_tensor("v", v, self.dtype, (B, T, Hkv, V), q.device)
+        check_tensor("do", do, self.dtype, (B, T, H, V), q.device)
+        check_tensor("o", o, self.dtype, (B, T, H, V), q.device)
+        check_tensor("lse", lse, torch.float32, (B, T, H), q.device)
+        L = len(layer_sizes(T, self.compression_rate, self.max_top_nodes)[0])
+        check_tensor("selections", selections, torch.int16, (L - 1, B, T, Hkv, self.top_k_per_layer), q.device)
+
+    def _slab_rows(self, B: int, L: int) -> int:
+        """Queries per slab: the index structures and workspaces of one slab stay under _SLAB_BYTES."""
+        Hkv, top_k = self.num_kv_heads, self.top_k_per_layer
+        per_row = B * ((L - 1) * Hkv * (top_k * 12 + self.nbuf + 1) + 40 * Hkv * top_k
+                       + 4 * self.num_heads * self.head_dim)
+        return max(64, min(self._SLAB_BYTES // per_row, (1 << (31 - LIST_SLOT_BITS)) - 1) // 64 * 64)
+
+    def __call__(self, do, q, k, v, o, lse, selections, validate=True):
+        check_bool("validate", validate)
+        self._check(do, q, k, v, o, lse, selections)
+        B, T = q.shape[:2]
+        H, Hkv, K, V, r = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim, self.compression_rate
+        top_k, nbuf = self.top_k_per_layer, self.nbuf
+        dev = q.device
+        cos, sin = self._rope(dev)
+        nodes_k, nodes_v, top, layer_off, offs, sizes = build_tree(self.pool, self.rope, k, v, r, self.max_top_nodes,
+                                                                   cos, sin)
+        L = len(sizes)
+        f32 = dict(dtype=torch.float32, device=dev)
+        dl = torch.empty(B, T, H, **f32)
+        self.delta(do, o, dl)
+        # fp32 accumulators of dK, dV: layer 0 at rows [0, T), layer l >= 1 at T + offs[l]
+        acc_off = [0] + [T + offs[l] for l in range(1, L)]
+        n_all = T + sum(sizes[1:])
+        acc_k = torch.zeros(B, n_all, Hkv, K, **f32)
+        acc_v = torch.zeros(B, n_all, Hkv, V, **f32)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        shift = (L - 1) * int(math.log2(r))
+        top_v, top_off = (nodes_v, offs[-1]) if L > 1 else (v, 0)
+        slab = self._slab_rows(B, L)
+        for t0 in range(0, T, slab):
+            S = min(slab, T - t0)
+            if L > 1:
+                idx = slab_index(selections[:, :, t0:t0 + S], t0, r, top_k, nbuf, checks=validate)
+                if validate:
+                    check_values(idx.checks)
+                par, ncand, flags = idx.par, idx.ncand, idx.flags
+                flags_top = flags[L - 2]
+            else:  # one layer: no selections (one-row placeholders)
+                par = torch.zeros(1, 1, 1, Hkv, top_k, dtype=torch.int32, device=dev)
+                ncand = torch.zeros(1, 1, 1, Hkv, dtype=torch.int32, device=dev)
+                flags = torch.zeros(1, 1, 1, Hkv, nbuf + 1, dtype=torch.int8, device=dev)
+                flags_top = flags[0]
+            dq_top = torch.empty(B, S, H, K, **f32)
+            self.top_dq(q, do, top, top_v, cos, sin, lse, dl, flags_top, dq_top, shift, top_off, t0, int(L > 1))
+            self.top_dkv(q, do, top, top_v, cos, sin, lse, dl, flags_top, acc_k, acc_v, shift, top_off, acc_off[-1],
+                         t0, S, int(L > 1))
+            self.rows(q, do, k, v, nodes_k, nodes_v, cos, sin, lse, dl, par, ncand, flags, layer_off, dq_top, dq, L - 1,
+                      t0)
+            for l in range(L - 2, -1, -1):  # the nodes of layer l, children of the parents at l + 1
+                start, entries = parent_lists(par[l], sizes[l + 1])
+                self.nodes(q, do, k, v, nodes_k, nodes_v, cos, sin, lse, dl, ncand, flags, start, entries, layer_off,
+                           acc_k, acc_v, sizes[l], l, acc_off[l], t0)
+        for l in range(L - 1, 1, -1):  # the mean pooling's gradient, down to layer 1
+            self.unpool(acc_k, acc_v, acc_off[l - 1], sizes[l - 1], acc_off[l])
+        self.unpool_out(acc_k, acc_v, dk, dv, acc_off[1] if L > 1 else 0, int(L > 1))
+        return dq, dk, dv
+
+    def kernels(self) -> dict:
+        """The compiled kernels by name (for compile-only tests and the bench's accounting)."""
+        return {"pool": self.pool, "rope": self.rope, "delta": self.delta, "top_dq": self.top_dq,
+                "top_dkv": self.top_dkv, "rows": self.rows, "nodes": self.nodes, "unpool": self.unpool,
+                "unpool_out": self.unpool_out}
+

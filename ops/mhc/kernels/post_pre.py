@@ -1,0 +1,109 @@
+"""One sublayer's mHC post fused with the next sublayer's pre (inference): `mhc_post_mix`.
+
+Per tile of `block_t` tokens, streaming over D in chunks of `block_k` columns (TileLang's TMA pipeline): the n
+residual streams' and the layer output's chunks land in shared memory with phi's [hi; lo] chunk of every stream;
+the consumer warpgroup forms the new residual x'[k] = post[k] * layer_out + sum_j comb[j, k] * residual[j] (fp32,
+rounded once to bf16, as `mhc_post`), writes it to memory, accumulates its squares and feeds it to the tensor
+cores: h_mix = x' @ phi^T (phi as bf16 hi + lo parts, as the pre). The epilogue writes h_pre, h_post and the comb
+logits h_res as the pre's mix kernel does. So the residual is read once and the new residual written once; only
+h_in = sum_i h_pre[i] * x'[i] (the pre's `mhc_pre_apply`, after this kernel) reads the new residual again, since
+h_pre needs the whole token's reduction first. Nothing is persistent and no CTA waits for another: one CTA per
+tile. The design and what was weighed against it: docs/design/mhc.md (mHC post section)."""
+
+from ...common import runtime  # noqa: F401  (the kernel cache dir before TileLang is imported)
+from ..tiling import _D_PAD, _round_up, phi_split_rows
+
+import tilelang.language as T  # noqa: E402
+
+
+def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: int = 64, block_k: int = 64,
+                        num_stages: int = 2, threads: int = 128):
+    """The new residual, h_pre, h_post and the comb logits of the next pre, from the post's inputs (module
+    docstring). `block_k` divides _D_PAD (phi's split copy is zero past D; the TMA loads zero-fill past D)."""
+    N, NG = n * n + 2 * n, phi_split_rows(n)
+    Dp = _round_up(D, _D_PAD)
+    d_chunks = -(-D // block_k)
+    streams = tuple(range(n))  # Python tuples: the loops over them unroll while tracing
+    num_tokens = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def mhc_post_mix(
+        Residual: T.Tensor((num_tokens, n, D), "bfloat16"),
+        LayerOut: T.Tensor((num_tokens, D), "bfloat16"),
+        Post: T.Tensor((num_tokens, n), "float32"),
+        Comb: T.Tensor((num_tokens, n, n), "float32"),
+        PhiHL: T.Tensor((2 * NG, n, Dp), "bfloat16"),  # phi's hi rows, then its lo rows
+        Alpha: T.Tensor((3,), "float32"),
+        Bias: T.Tensor((N,), "float32"),
+        NewResidual: T.Tensor((num_tokens, n, D), "bfloat16"),
+        HPost: T.Tensor((num_tokens, n), "float32"),
+        HRes: T.Tensor((num_tokens, n * n), "float32"),
+        HPre: T.Tensor((num_tokens, n), "float32"),
+    ):
+        with T.Kernel(T.ceildiv(num_tokens, block_t), threads=threads) as bx:
+            # One buffer per stream, each filled by one bulk (TMA) copy.
+            rs = [T.alloc_shared((block_t, block_k), "bfloat16") for _ in streams]
+            ls = T.alloc_shared((block_t, block_k), "bfloat16")
+            phs = [T.alloc_shared((2 * NG, block_k), "bfloat16") for _ in streams]
+            xs = [T.alloc_shared((block_t, block_k), "bfloat16") for _ in streams]  # the new residual's chunk
+            post_s = T.alloc_shared((block_t, n), "float32")
+            comb_s = T.alloc_shared((block_t, n, n), "float32")
+            mix2 = T.alloc_fragment((block_t, 2 * NG), "float32")  # h_mix = the sum of its two halves
+            sq = T.alloc_fragment((block_t, block_k), "float32")
+            sumsq = T.alloc_fragment((block_t,), "float32")
+            mix2_s = T.alloc_shared((block_t, 2 * NG), "float32")
+            sumsq_s = T.alloc_shared((block_t,), "float32")
+            t0 = bx * block_t
+
+            # The tile's post weights, before the pipelined loop (rows of under 16 bytes are no TMA copies, which
+            # must stay out of it; rows past the last token read as zero).
+            for t, k in T.Parallel(block_t, n):
+                post_s[t, k] = T.if_then_else(t0 + t < num_tokens, Post[T.min(t0 + t, num_tokens - 1), k], 0.0)
+            for t, j, k in T.Parallel(block_t, n, n):
+                comb_s[t, j, k] = T.if_then_else(t0 + t < num_tokens, Comb[T.min(t0 + t, num_tokens - 1), j, k], 0.0)
+            T.clear(mix2)
+            T.clear(sq)
+            for kd in T.Pipelined(d_chunks, num_stages=num_stages):
+                d0 = kd * block_k
+                for j in streams:
+                    T.copy(Residual[t0:t0 + block_t, j, d0:d0 + block_k], rs[j])
+                T.copy(LayerOut[t0:t0 + block_t, d0:d0 + block_k], ls)
+                for i in streams:
+                    T.copy(PhiHL[:, i, d0:d0 + block_k], phs[i])
+                # The new residual from the landed tiles, then a proxy fence: TileLang hands the tiles back to the
+                # TMA producer after their last reader, and ptxas may issue that release with these shared loads
+                # still in flight (see bwd_two_pass). The loop of one keeps the fence inside the same statement.
+                for _ in T.serial(1):
+                    for t, k in T.Parallel(block_t, block_k):
+                        for i in streams:
+                            x_new = T.cast(post_s[t, i] * T.cast(ls[t, k], "float32")
+                                           + sum(comb_s[t, j, i] * T.cast(rs[j][t, k], "float32") for j in streams),
+                                           "bfloat16")
+                            xs[i][t, k] = x_new
+                            sq[t, k] += T.cast(x_new, "float32") * T.cast(x_new, "float32")
+                            if t0 + t < num_tokens and d0 + k < D:
+                                NewResidual[t0 + t, i, d0 + k] = x_new
+                    T.fence_proxy_async()
+                # Every stream's product in flight at once, one wait; in a loop of one so that TileLang hands phi's
+                # tiles back after the wait, not after the (asynchronous) issue.
+                for _ in T.serial(1):
+                    for i in streams:
+                        T.wgmma_gemm(xs[i], phs[i], mix2, transpose_B=True)
+                    T.wait_wgmma(0)
+            T.reduce_sum(sq, sumsq, dim=1)
+
+            T.copy(mix2, mix2_s)
+            for t in T.Parallel(block_t):
+                sumsq_s[t] = sumsq[t]
+            for t, r in T.Parallel(block_t, NG):
+                if t0 + t < num_tokens and r < N:
+                    inv_rms = T.rsqrt(sumsq_s[t] / (n * D) + rms_eps)
+                    mix = mix2_s[t, r] + mix2_s[t, NG + r]
+                    if r < n:
+                        HPre[t0 + t, r] = T.sigmoid(Alpha[0] * inv_rms * mix + Bias[r]) + hc_eps
+                    elif r < 2 * n:
+                        HPost[t0 + t, r - n] = 2 * T.sigmoid(Alpha[1] * inv_rms * mix + Bias[r])
+                    else:
+                        HRes[t0 + t, r - 2 * n] = Alpha[2] * inv_rms * mix + Bias[r]
+
+    return mhc_post_mix

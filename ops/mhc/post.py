@@ -1,0 +1,312 @@
+"""mHC post (`MHCPostTileLang`, `MHCPostBackwardTileLang`): the hyper-connection expand of DeepSeek-V4's decoder
+layer, out[k] = post[k] * layer_out + sum_j comb[j, k] * residual[j] per token (golden/mhc_post.py), and its
+gradients; and for inference the post fused with the next sublayer's pre (`MHCPostPreTileLang`). Kernels:
+ops/mhc/kernels/post.py, post_pre.py (with the pre's apply, phi split and Sinkhorn kernels); design:
+docs/design/mhc.md (mHC post section).
+
+Any leading dimensions (HF passes [B, S, n, D]; [T, n, D] works the same): they are flattened to tokens, and
+residual, layer_out, post and comb must share them. One compiled kernel serves any number of tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from ..common.hw import SMEM_BUDGET
+from ..common.protocol import Op
+from ..common.runtime import compile_kernel, resolve_config
+from ..common.validate import check_choice, check_float, check_int, check_tensor
+from .kernels.fwd_mix import mhc_pre_apply_kernel
+from .kernels.phi_split import mhc_phi_split_kernel
+from .kernels.post import mhc_post_bwd_kernel, mhc_post_kernel
+from .kernels.post_pre import mhc_post_mix_kernel
+from .kernels.sinkhorn import mhc_pre_sinkhorn_kernel
+from .pre import check_sinkhorn_iters
+from .tiling import _D_PAD, _round_up, phi_split_rows
+
+MAX_N, MAX_D = 8, 16384  # the pre's range: the post feeds the next pre
+_THREADS = (128, 256)
+
+
+def check_post_dims(n, D) -> None:
+    """n residual streams of D columns: n in 1..8, D a multiple of 8 (16-byte rows) up to 16384."""
+    check_int("n", n, lo=1, hi=MAX_N)
+    check_int("D", D, lo=8, hi=MAX_D, multiple_of=8)
+
+
+def check_post_inputs(n: int, D: int, residual, layer_out, post, comb, **more) -> tuple[int, ...]:
+    """Check the post's operands (and ``more``: name -> (tensor, dtype, trailing shape) sharing residual's leading
+    dimensions) before any launch; returns the leading dimensions. Shapes first (all of them, so a mismatch of
+    leading dimensions is named as such), then dtypes, then devices (residual's), contiguity and alignment."""
+    operands = {"residual": (residual, torch.bfloat16, (n, D)), "layer_out": (layer_out, torch.bfloat16, (D,)),
+                "post": (post, torch.float32, (n,)), "comb": (comb, torch.float32, (n, n)), **more}
+    for name, (t, _, _) in operands.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    lead = None
+    for name, (t, _, tail) in operands.items():
+        k = len(tail)
+        if t.dim() < k or tuple(t.shape[t.dim() - k:]) != tail:
+            want = ", ".join(str(s) for s in tail)
+            raise ValueError(f"{name}: expected shape [..., {want}], got {list(t.shape)}")
+        if lead is None:
+            lead = tuple(t.shape[:t.dim() - k])
+        elif tuple(t.shape[:t.dim() - k]) != lead:
+            raise ValueError(f"{name}: expected the leading dimensions {list(lead)} of residual, "
+                             f"got {list(t.shape[:t.dim() - k])}")
+    for name, (t, dtype, _) in operands.items():
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    for name, (t, _, _) in operands.items():
+        check_tensor(name, t, device=residual.device if name != "residual" else None)
+        if t.data_ptr() % 16:  # the kernels' 16-byte vector accesses and TMA boxes
+            raise ValueError(f"{name}: expected a 16-byte aligned tensor, got data_ptr() % 16 == {t.data_ptr() % 16} "
+                             "(a view at an odd offset: pass a copy)")
+    return lead
+
+
+def _default_tokens_per_thread(n: int) -> int:
+    """Tokens per thread of the forward: about 20 loads of 16 bytes in flight per thread (n + 1 per token), a
+    power of two."""
+    return 1 << max(0, (20 // (n + 1)).bit_length() - 1)
+
+
+class MHCPostTileLang(Op):
+    """mHC post forward: ``op(residual, layer_out, post, comb) -> out``; see golden/mhc_post.py.
+
+    residual [..., n, D] bf16, layer_out [..., D] bf16, post [..., n] fp32, comb [..., n, n] fp32 (CUDA,
+    contiguous, the same leading dimensions) -> out [..., n, D] bf16, out[k] = post[k] * layer_out +
+    sum_j comb[j, k] * residual[j] in fp32, rounded once. n (1-8) and D (a multiple of 8 up to 16384) are fixed
+    at construction; the leading dimensions are free at call time. The differentiable functional form (a
+    ``torch.library`` custom op): ``ops.mhc.custom_ops.mhc_post``.
+    """
+
+    op_name = "mhc_post"
+    warm_specs = (dict(n=4, D=4096), dict(n=4, D=7168))  # the bench shapes
+
+    @classmethod
+    def default_config(cls, spec: dict) -> dict:
+        return {"threads": 128, "tokens_per_thread": _default_tokens_per_thread(spec["n"])}
+
+    @classmethod
+    def config_space(cls, spec: dict) -> list[dict]:
+        return [{"threads": th, "tokens_per_thread": u} for th in _THREADS for u in (1, 2, 4, 8)
+                if u * (spec["n"] + 1) <= 40]
+
+    @classmethod
+    def tunable_kernel(cls, spec: dict):
+        return mhc_post_kernel
+
+    def __init__(self, n: int, D: int, config: dict | None = None):
+        check_post_dims(n, D)
+        self.n, self.D = n, D
+        self.spec = {"n": n, "D": D}
+        self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
+        check_choice("config['threads']", self.config["threads"], _THREADS)
+        check_int("config['tokens_per_thread']", self.config["tokens_per_thread"], lo=1, hi=16)
+        self._kernel = compile_kernel(mhc_post_kernel(n, D, **self.config))
+
+    def check_inputs(self, residual, layer_out, post, comb) -> tuple[int, ...]:
+        return check_post_inputs(self.n, self.D, residual, layer_out, post, comb)
+
+    def _args(self, residual, layer_out, post, comb, out):
+        n, D = self.n, self.D
+        tokens = out.numel() // (n * D)
+        return (residual.view(tokens, n, D), layer_out.view(tokens, D), post.view(tokens, n),
+                comb.view(tokens, n, n), out.view(tokens, n, D))
+
+    def tune_args(self, residual, layer_out, post, comb):
+        self.check_inputs(residual, layer_out, post, comb)
+        return self._args(residual, layer_out, post, comb, torch.empty_like(residual))
+
+    def __call__(self, residual, layer_out, post, comb):
+        self.check_inputs(residual, layer_out, post, comb)
+        out = torch.empty_like(residual)
+        if out.numel():
+            self._kernel(*self._args(residual, layer_out, post, comb, out))
+        return out
+
+
+def _default_unroll(n: int) -> int:
+    """Column steps of loads in flight per lane of the backward (2n + 1 loads each), as registers allow."""
+    return 4 if n == 1 else 2 if n <= 4 else 1
+
+
+class MHCPostBackwardTileLang(Op):
+    """mHC post backward: ``op(residual, layer_out, post, comb, grad_out) -> (grad_residual, grad_layer_out,
+    grad_post, grad_comb)``; see golden/mhc_post.py (``mhc_post_backward``).
+
+    The forward's inputs and grad_out [..., n, D] bf16 (the same leading dimensions); the gradients come in their
+    inputs' dtypes and shapes (bf16, bf16, fp32, fp32). grad_post and grad_comb are dot products over D, reduced in
+    a fixed order (bitwise reproducible, no atomics). n and D are fixed at construction.
+    """
+
+    op_name = "mhc_post_bwd"
+    warm_specs = (dict(n=4, D=4096), dict(n=4, D=7168))
+
+    @classmethod
+    def default_config(cls, spec: dict) -> dict:
+        return {"threads": 128, "unroll": _default_unroll(spec["n"])}
+
+    @classmethod
+    def config_space(cls, spec: dict) -> list[dict]:
+        return [{"threads": th, "unroll": u} for th in _THREADS for u in (1, 2, 4) if u * (2 * spec["n"] + 1) <= 36]
+
+    @classmethod
+    def tunable_kernel(cls, spec: dict):
+        return mhc_post_bwd_kernel
+
+    def __init__(self, n: int, D: int, config: dict | None = None):
+        check_post_dims(n, D)
+        self.n, self.D = n, D
+        self.spec = {"n": n, "D": D}
+        self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
+        check_choice("config['threads']", self.config["threads"], _THREADS)
+        check_int("config['unroll']", self.config["unroll"], lo=1, hi=8)
+        self._kernel = compile_kernel(mhc_post_bwd_kernel(n, D, **self.config))
+
+    def check_inputs(self, residual, layer_out, post, comb, grad_out) -> tuple[int, ...]:
+        return check_post_inputs(self.n, self.D, residual, layer_out, post, comb,
+                                 grad_out=(grad_out, torch.bfloat16, (self.n, self.D)))
+
+    def _outputs(self, residual, layer_out, post, comb):
+        return (torch.empty_like(residual), torch.empty_like(layer_out), torch.empty_like(post),
+                torch.empty_like(comb))
+
+    def _args(self, inputs, outputs):
+        n, D = self.n, self.D
+        tokens = inputs[0].numel() // (n * D)
+        shapes = ((tokens, n, D), (tokens, D), (tokens, n), (tokens, n, n))
+        return (*(t.view(s) for t, s in zip(inputs[:4], shapes)), inputs[4].view(tokens, n, D),
+                *(t.view(s) for t, s in zip(outputs, shapes)))
+
+    def tune_args(self, residual, layer_out, post, comb, grad_out):
+        inputs = (residual, layer_out, post, comb, grad_out)
+        self.check_inputs(*inputs)
+        return self._args(inputs, self._outputs(*inputs[:4]))
+
+    def __call__(self, residual, layer_out, post, comb, grad_out):
+        inputs = (residual, layer_out, post, comb, grad_out)
+        self.check_inputs(*inputs)
+        outputs = self._outputs(*inputs[:4])
+        if residual.numel():
+            self._kernel(*self._args(inputs, outputs))
+        return outputs
+
+
+# ----------------------------------------------------------------------------- post -> pre (inference)
+_MIX_T = 64  # tokens per tile of the fused kernel: one wgmma M for its one consumer warpgroup
+
+
+def post_mix_smem_bytes(n: int, block_k: int, num_stages: int, block_t: int = _MIX_T, **_) -> int:
+    """Shared memory of `mhc_post_mix`: per stage the residual's n tiles, the layer output's and phi's [hi; lo]
+    tile of every stream; once the new residual's n tiles and the post weights, whose space the epilogue's
+    h_mix reuses (checked against TileLang's allocation)."""
+    NG = phi_split_rows(n)
+    stage = (n + 1) * block_t * block_k * 2 + n * 2 * NG * block_k * 2
+    return num_stages * stage + n * block_t * block_k * 2 + max(block_t * (n + n * n) * 4, block_t * (2 * NG + 1) * 4)
+
+
+def post_mix_config_space(n: int) -> list[dict]:
+    """Chunk widths dividing _D_PAD (phi's padding) and 1-4 stages, within shared memory."""
+    return [dict(block_k=bk, num_stages=s) for bk in (16, 32, 64, 128) for s in range(1, 5)
+            if post_mix_smem_bytes(n, bk, s) <= SMEM_BUDGET]
+
+
+def post_mix_default_config(n: int) -> dict:
+    """The widest chunk (up to 64 columns) with two stages in shared memory (at n = 4: 64 columns, 181 KB),
+    and a third stage where it also fits."""
+    space = post_mix_config_space(n)
+    bk = max(c["block_k"] for c in space if c["num_stages"] >= 2 and c["block_k"] <= 64)
+    return dict(block_k=bk, num_stages=min(3, max(c["num_stages"] for c in space if c["block_k"] == bk)))
+
+
+class MHCPostPreTileLang(Op):
+    """One sublayer's mHC post and the next sublayer's pre, for inference:
+    ``op(residual, layer_out, post, comb, phi, alpha, bias) -> (new_residual, h_in, h_post, h_res)``, the same as
+    ``new_residual = mhc_post(residual, layer_out, post, comb)`` followed by the pre
+    (``MHCForwardPreTileLang``) on it; see golden/mhc_post.py (``mhc_post_pre``).
+
+    residual [..., n, D] bf16, layer_out [..., D] bf16, post [..., n] fp32, comb [..., n, n] fp32 (the same
+    leading dimensions), and the next pre's phi [n*n+2n, n*D], alpha [3], bias [n*n+2n] fp32 (CUDA, contiguous)
+    -> new_residual [..., n, D] bf16, h_in [..., D] bf16, h_post [..., n] fp32, h_res [..., n, n] fp32 (the comb
+    logits, or with ``sinkhorn_iters`` >= 1 their Sinkhorn projection). Two kernels: `mhc_post_mix` (reads the
+    residual once, writes the new one once, and computes the pre's mixing weights on the way) and the pre's
+    `mhc_pre_apply` (h_in, from the new residual), then with ``sinkhorn_iters`` the pre's Sinkhorn kernel.
+    No gradients: training runs ``mhc_post`` and ``mhc_pre``.
+    """
+
+    op_name = "mhc_post_pre"
+    warm_specs = (dict(n=4, D=4096), dict(n=4, D=7168))  # the bench shapes
+
+    @classmethod
+    def default_config(cls, spec: dict) -> dict:
+        return post_mix_default_config(spec["n"])
+
+    @classmethod
+    def config_space(cls, spec: dict) -> list[dict]:
+        return post_mix_config_space(spec["n"])
+
+    @classmethod
+    def tunable_kernel(cls, spec: dict):
+        return mhc_post_mix_kernel
+
+    def __init__(self, n: int, D: int, rms_eps: float = 1e-6, hc_eps: float = 1e-6, sinkhorn_iters: int = 0,
+                 config: dict | None = None):
+        check_post_dims(n, D)
+        rms_eps = check_float("rms_eps", rms_eps, lo=0)
+        hc_eps = check_float("hc_eps", hc_eps, lo=0)
+        check_sinkhorn_iters(sinkhorn_iters)
+        self.n, self.D, self.sinkhorn_iters = n, D, sinkhorn_iters
+        # As for the pre, sinkhorn_iters is not part of the spec: it changes neither the tunable kernel nor its config.
+        self.spec = {"n": n, "D": D, "rms_eps": rms_eps, "hc_eps": hc_eps}
+        self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
+        check_choice("config['block_k']", self.config["block_k"], (16, 32, 64, 128))
+        check_int("config['num_stages']", self.config["num_stages"], lo=1, hi=4)
+        smem = post_mix_smem_bytes(n, **self.config)
+        if smem > SMEM_BUDGET:
+            raise ValueError(f"config: expected a config within {SMEM_BUDGET} bytes of shared memory, "
+                             f"got {self.config} needing {smem}")
+        self._split = compile_kernel(mhc_phi_split_kernel(n, D))
+        self._mix = compile_kernel(mhc_post_mix_kernel(**self.spec, **self.config))
+        self._apply = compile_kernel(mhc_pre_apply_kernel(n, D))
+        self._sinkhorn = compile_kernel(mhc_pre_sinkhorn_kernel(n, sinkhorn_iters, hc_eps)) if sinkhorn_iters else None
+
+    def check_inputs(self, residual, layer_out, post, comb, phi, alpha, bias) -> tuple[int, ...]:
+        lead = check_post_inputs(self.n, self.D, residual, layer_out, post, comb)
+        N, dev = self.n * self.n + 2 * self.n, residual.device
+        check_tensor("phi", phi, torch.float32, (N, self.n * self.D), device=dev)
+        check_tensor("alpha", alpha, torch.float32, (3,), device=dev)
+        check_tensor("bias", bias, torch.float32, (N,), device=dev)
+        return lead
+
+    def _args(self, residual, layer_out, post, comb, phi, alpha, bias):
+        """The mix kernel's arguments (phi split into a fresh [hi; lo] buffer), outputs last: new residual,
+        h_post, h_res, h_pre (flattened tokens)."""
+        n, D = self.n, self.D
+        tokens, dev = residual.numel() // (n * D), residual.device
+        NG = phi_split_rows(n)
+        phi_hl = torch.empty(2 * NG, n, _round_up(D, _D_PAD), device=dev, dtype=torch.bfloat16)
+        if tokens:
+            self._split(phi, phi_hl[:NG], phi_hl[NG:])
+        f32 = dict(device=dev, dtype=torch.float32)
+        return (residual.view(tokens, n, D), layer_out.view(tokens, D), post.view(tokens, n), comb.view(tokens, n, n),
+                phi_hl, alpha, bias, torch.empty(tokens, n, D, device=dev, dtype=torch.bfloat16),
+                torch.empty(tokens, n, **f32), torch.empty(tokens, n * n, **f32), torch.empty(tokens, n, **f32))
+
+    def tune_args(self, residual, layer_out, post, comb, phi, alpha, bias):
+        self.check_inputs(residual, layer_out, post, comb, phi, alpha, bias)
+        return self._args(residual, layer_out, post, comb, phi, alpha, bias)
+
+    def __call__(self, residual, layer_out, post, comb, phi, alpha, bias):
+        lead = self.check_inputs(residual, layer_out, post, comb, phi, alpha, bias)
+        n, D = self.n, self.D
+        args = self._args(residual, layer_out, post, comb, phi, alpha, bias)
+        new_residual, h_post, h_res, h_pre = args[-4:]
+        h_in = torch.empty(h_pre.shape[0], D, device=residual.device, dtype=torch.bfloat16)
+        if h_in.shape[0]:
+            self._mix(*args)
+            if self._sinkhorn is not None:  # the logits become comb, in place
+                self._sinkhorn(h_res)
+            self._apply(new_residual, h_pre, h_in)
+        return (new_residual.view(*lead, n, D), h_in.view(*lead, D), h_post.view(*lead, n),
+                h_res.view(*lead, n, n))

@@ -1,0 +1,195 @@
+"""mHC pre forward (`MHCForwardPreTileLang`); its kernels are in ops/mhc/kernels, the design in
+docs/design/mhc.md.
+
+Single pass (`mhc_pre_fused`, shapes where `fused_fits`): x is read from memory once. A cluster of 16
+CTAs owns a tile of 64 tokens, each CTA D / 16 columns of every stream. A producer warpgroup streams
+the CTA's x chunks by TMA into a ring that holds the whole share (plus slack for the next tile) and
+phi's chunks (from L2) into a shallower ring; the consumer warpgroup accumulates its partial h_mix =
+x @ phi^T on bf16 tensor cores (phi split into bf16 hi + lo parts: ~16 mantissa bits, more than TF32)
+and the sum of squares, exchanges partials with the other 15 CTAs through distributed shared memory
+(a reduce-scatter, then an all-gather of h_pre), and writes h_in = sum_i h_pre[i] * x[i, :] from the
+chunks still in shared memory. Clusters are persistent, as many as the GPU holds at once. That leaves SMs
+idle (20 of an H100's or H200's 132: 7 clusters of 16 fit), so at large token counts the last tokens
+(`side_tokens`) go to a side kernel (`mhc_pre_mix` with `apply`: one CTA per 128-token tile, x read twice)
+on those SMs. It is launched right behind the single pass, which lets it start at once (programmatic
+dependent launch: the single pass triggers at its start).
+
+Two kernels (other shapes; x is read twice):
+1. `mhc_pre_mix`: per tile of `block_t` tokens, the full n*D reduction, pipelined over K, with the sum
+   of squares from the same tiles; its epilogue writes h_pre, h_post, h_res and inv_rms.
+2. `mhc_pre_apply`: h_in = sum_i h_pre[i] * x[i, :], a bandwidth-bound pass.
+
+With `sinkhorn_iters` >= 1 a small kernel (`mhc_pre_sinkhorn`, one thread per token) then turns the h_res
+logits into their Sinkhorn projection comb, in place.
+"""
+
+import torch
+
+from ..common.hw import SMEM_BUDGET
+from ..common.protocol import Op
+from ..common.runtime import compile_kernel, max_active_clusters, resolve_config, sm_count
+from ..common.validate import check_choice, check_float, check_int, check_tensor
+from .kernels.fwd_fused import mhc_pre_fused_kernel
+from .kernels.fwd_mix import mhc_pre_apply_kernel, mhc_pre_mix_kernel
+from .kernels.phi_split import mhc_phi_split_kernel
+from .kernels.sinkhorn import mhc_pre_sinkhorn_kernel
+from .tiling import (_CLUSTER, _D_PAD, _SIDE_CONFIG, SINKHORN_MAX_ITERS, _round_up, _thread_choices,
+                     forward_config_space, forward_default_config, fused_chunks, fused_fits, fused_smem_bytes,
+                     mix_smem_bytes, phi_split_rows, side_tokens)
+
+
+def check_x(x, n: int | None = None, D: int | None = None) -> None:
+    """x [..., n, D] bf16, CUDA, contiguous (n, D None: any); any number of leading dimensions."""
+    shape = None
+    if isinstance(x, torch.Tensor):
+        if x.dim() < 2:
+            raise ValueError(f"x: expected shape [..., n, D], got {list(x.shape)}")
+        shape = (None,) * (x.dim() - 2) + (n, D)
+    check_tensor("x", x, torch.bfloat16, shape)
+
+
+def check_sinkhorn_iters(sinkhorn_iters) -> None:
+    """An int in [0, SINKHORN_MAX_ITERS]. A symbolic int (a custom op's fake under torch.compile's dynamic
+    shapes) passes here: the op checks the concrete value when it is built."""
+    if not isinstance(sinkhorn_iters, torch.SymInt):
+        check_int("sinkhorn_iters", sinkhorn_iters, lo=0, hi=SINKHORN_MAX_ITERS)
+
+
+class MHCForwardPreTileLang(Op):
+    """mHC pre forward: ``op(x, phi, alpha, bias) -> (h_in, h_post, h_res)``; see golden/mhc_pre.py.
+
+    x [..., n, D] bf16 (HF's [B, S, n, D], or any leading dimensions), phi [n*n+2n, n*D] fp32, alpha [3] fp32,
+    bias [n*n+2n] fp32 (CUDA, contiguous). The leading dimensions are free at call time (one compiled kernel
+    serves any number of tokens; the constructor's B and S are only checked); n and D are fixed at
+    construction. h_res [..., n, n] is the raw logits, or with ``sinkhorn_iters`` >= 1 their Sinkhorn
+    projection comb (DeepSeek-V4 runs 20). ``return_aux=True`` also returns inv_rms [...], h_pre [..., n] and
+    h_mix [..., n*n+2n] (x @ phi^T before the inv_rms scale; fp32), which the backward needs. The matmul runs
+    on bf16 tensor cores with phi split into hi + lo bf16 parts. Shapes where the single pass measured
+    faster (`fused_fits`) run it (with the side kernel beside it at large token counts); the others run
+    the two kernels. The config keys differ accordingly (`default_config`).
+    """
+
+    op_name = "mhc_pre"
+    # The bench shapes, without and with DeepSeek-V4's 20 Sinkhorn iterations.
+    warm_specs = tuple(dict(B=1, S=16384, n=4, D=D, sinkhorn_iters=k) for D in (4096, 7168) for k in (0, 20))
+
+    @classmethod
+    def default_config(cls, spec: dict) -> dict:
+        return forward_default_config(spec["n"], spec["D"])
+
+    @classmethod
+    def config_space(cls, spec: dict) -> list[dict]:
+        return forward_config_space(spec["n"], spec["D"])
+
+    @classmethod
+    def tunable_kernel(cls, spec: dict):
+        """The single pass where it runs (`fused_fits`), else the mix kernel."""
+        return mhc_pre_fused_kernel if fused_fits(spec["n"], spec["D"]) else mhc_pre_mix_kernel
+
+    def __init__(self, B: int, S: int, n: int, D: int, rms_eps: float = 1e-6, hc_eps: float = 1e-6,
+                 sinkhorn_iters: int = 0, config: dict | None = None):
+        check_int("B", B, lo=1)
+        check_int("S", S, lo=1)
+        check_int("n", n, lo=1, hi=8)
+        check_int("D", D, lo=8, hi=16384, multiple_of=8)
+        rms_eps = check_float("rms_eps", rms_eps, lo=0)
+        hc_eps = check_float("hc_eps", hc_eps, lo=0)
+        check_sinkhorn_iters(sinkhorn_iters)
+        self.n, self.D, self.sinkhorn_iters = n, D, sinkhorn_iters
+        # sinkhorn_iters is not part of the spec: it changes neither the tunable kernel nor its config.
+        self.spec = {"n": n, "D": D, "rms_eps": rms_eps, "hc_eps": hc_eps}
+        self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
+        fused = fused_fits(n, D)
+        if fused:
+            check_int("config['x_slots']", self.config["x_slots"], lo=fused_chunks(n, D))
+            check_int("config['phi_stages']", self.config["phi_stages"], lo=2)
+            smem = fused_smem_bytes(n, **self.config)
+        else:
+            check_int("config['block_t']", self.config["block_t"], lo=64, hi=128, multiple_of=64)
+            check_int("config['block_k']", self.config["block_k"], lo=64, hi=_D_PAD, multiple_of=64)
+            check_int("config['num_stages']", self.config["num_stages"], lo=1, hi=4)
+            check_choice("config['threads']", self.config["threads"], _thread_choices(self.config["block_t"]))
+            smem = mix_smem_bytes(n, **self.config)
+        if smem > SMEM_BUDGET:
+            raise ValueError(f"config: expected a config within {SMEM_BUDGET} bytes of shared memory, "
+                             f"got {self.config} needing {smem}")
+        self._split = compile_kernel(mhc_phi_split_kernel(n, D))
+        self._phi_parts = {}
+        self._fused = self._mix = self._apply = self._side = None
+        if fused:
+            self._fused = compile_kernel(mhc_pre_fused_kernel(**self.spec, **self.config))
+            self._side = compile_kernel(mhc_pre_mix_kernel(**self.spec, **_SIDE_CONFIG, apply=True))
+        else:
+            self._mix = compile_kernel(mhc_pre_mix_kernel(**self.spec, **self.config))
+            self._apply = compile_kernel(mhc_pre_apply_kernel(n, D))
+        self._sinkhorn = compile_kernel(mhc_pre_sinkhorn_kernel(n, sinkhorn_iters, hc_eps)) if sinkhorn_iters else None
+
+    def check_inputs(self, x, phi, alpha, bias) -> None:
+        n, D = self.n, self.D
+        N = n * n + 2 * n
+        check_x(x, n, D)
+        check_tensor("phi", phi, torch.float32, (N, n * D), device=x.device)
+        check_tensor("alpha", alpha, torch.float32, (3,), device=x.device)
+        check_tensor("bias", bias, torch.float32, (N,), device=x.device)
+
+    def _split_phi(self, phi):
+        """phi's bf16 hi + lo parts, in buffers reused across calls on the same device."""
+        if phi.device not in self._phi_parts:
+            shape = (phi_split_rows(self.n), self.n, _round_up(self.D, _D_PAD))
+            self._phi_parts[phi.device] = tuple(torch.empty(shape, device=phi.device, dtype=torch.bfloat16)
+                                                for _ in range(2))
+        hi, lo = self._phi_parts[phi.device]
+        self._split(phi, hi, lo)
+        return hi, lo
+
+    @staticmethod
+    def _outputs(x):
+        """Empty h_in, h_post, h_res, inv_rms, h_pre, h_mix for x's tokens (flattened)."""
+        n, D = x.shape[-2:]
+        tokens = x.numel() // (n * D)
+        f32 = dict(device=x.device, dtype=torch.float32)
+        return (torch.empty(tokens, D, device=x.device, dtype=torch.bfloat16), torch.empty(tokens, n, **f32),
+                torch.empty(tokens, n * n, **f32), torch.empty(tokens, **f32), torch.empty(tokens, n, **f32),
+                torch.empty(tokens, n * n + 2 * n, **f32))
+
+    def _kernel_args(self, x, phi, alpha, bias, outs):
+        """Arguments of the tunable kernel: the fused kernel takes all outputs and the cluster count, the mix
+        kernel all outputs with h_in last (it writes h_in only as the side kernel)."""
+        head = (x.view(outs[0].shape[0], *x.shape[-2:]), *self._split_phi(phi), alpha, bias)
+        if self._fused is None:
+            return head + outs[1:] + outs[:1]
+        # One CTA per SM whatever its shared memory: 256 threads of up to 240 registers fill the file.
+        return head + outs + (max_active_clusters(_CLUSTER, 256, SMEM_BUDGET, x.device.index),)
+
+    def _launch_fused(self, x2, hi, lo, alpha, bias, *outs_and_clusters):
+        """The single pass over the first tokens and the side kernel over the last ones (`side_tokens`), on
+        the SMs that no cluster takes."""
+        *outs, clusters = outs_and_clusters
+        tokens = x2.shape[0]
+        side = side_tokens(tokens, sm_count(x2.device) - _CLUSTER * clusters)
+        m = tokens - side
+        self._fused(x2[:m], hi, lo, alpha, bias, *(o[:m] for o in outs), clusters)
+        if side:  # the mix kernel's order: h_in last
+            self._side(x2[m:], hi, lo, alpha, bias, *(o[m:] for o in outs[1:]), outs[0][m:])
+
+    def tune_args(self, x, phi, alpha, bias):
+        """Arguments of the tunable kernel (``tunable_kernel``) for these inputs."""
+        self.check_inputs(x, phi, alpha, bias)
+        return self._kernel_args(x, phi, alpha, bias, self._outputs(x))
+
+    def __call__(self, x, phi, alpha, bias, return_aux: bool = False):
+        self.check_inputs(x, phi, alpha, bias)
+        *lead, n, D = x.shape
+        h_in, h_post, h_res, inv_rms, h_pre, h_mix = outs = self._outputs(x)
+        args = self._kernel_args(x, phi, alpha, bias, outs)
+        if h_in.shape[0]:
+            if self._fused is not None:
+                self._launch_fused(*args)
+            else:
+                self._mix(*args)
+                self._apply(args[0], h_pre, h_in)
+            if self._sinkhorn is not None:  # the logits the kernels wrote become comb, in place
+                self._sinkhorn(h_res)
+        result = (h_in.view(*lead, D), h_post.view(*lead, n), h_res.view(*lead, n, n))
+        aux = (inv_rms.view(lead), h_pre.view(*lead, n), h_mix.view(*lead, n * n + 2 * n))
+        return result + aux if return_aux else result

@@ -1,0 +1,156 @@
+"""What both paged prefill kernels share: the shapes of a specialization, the query tile of a CTA, page
+copies, the causal / ALiBi mask, the online-softmax step and the output stores, as TileLang macros."""
+
+import tilelang.language as T
+
+from ...common.hw import LOG2E
+from ...common.tl.softmax import online_softmax_step
+from ..tiling import BITS, head_pack, tile_tokens
+
+
+class TilePlan:
+    """What both kernels share: shapes, the query tile of a CTA, page copies, mask, softmax and the
+    output store. M-row r of a tile is token r // pack, head r % pack."""
+
+    def __init__(self, num_heads, num_kv_heads, head_dim, page_size, dtype, use_alibi, kv_layout, scale,
+                 block_M, block_N):
+        self.groups = num_heads // num_kv_heads
+        self.pack = pack = head_pack(num_heads, num_kv_heads, block_M)
+        self.tokens = tile_tokens(num_heads, num_kv_heads, block_M)  # rows past tokens * pack are padding
+        self.block_N = block_N
+        self.dims = T.dynamic("total_q, num_seqs, num_blocks, max_blocks, num_tiles")
+        total_q, _, num_blocks, _, _ = self.dims
+        self.kv_shape = ((num_blocks, num_kv_heads, page_size, head_dim) if kv_layout == "HND" else
+                         (num_blocks, page_size, num_kv_heads, head_dim))
+        self.q_shape = (total_q, num_heads, head_dim)
+        self.pages = list(range(max(1, block_N // page_size)))  # page copies per KV tile (Python-unrolled)
+        rows_per_copy = min(page_size, block_N)
+        band = min(head_dim, 1024 // BITS[dtype])  # 128 bytes: the widest TMA box of a swizzled tile
+        accum = "float32"
+        scale_log2 = scale * LOG2E  # exp2 is one instruction: softmax runs in the log2 domain
+
+        def page_rows(kt, p):
+            off = (kt * block_N + p * rows_per_copy) % page_size
+            return slice(off, off + rows_per_copy)
+
+        def page_ids(BlockTables, seq, kv_len, kt):
+            # Pages past the sequence's last one repeat it (table entries there may be invalid).
+            return [BlockTables[seq, T.min(kt * block_N + p * rows_per_copy, kv_len - 1) // page_size]
+                    for p in self.pages]
+        self.page_ids = page_ids
+
+        @T.macro
+        def load_pages(cache, dst, blocks, kv_head, kt, bars=None, st=None, multicast=None):
+            # One bulk copy per (page or block_N slice of a page, 128-byte column band): a band is one
+            # contiguous run of the swizzled shared tile, as the TMA lowering requires. `dst` is a
+            # [block_N, head_dim] tile (T.copy: TileLang adds the mbarriers) or, with `bars`, stage
+            # `st` of a ring whose copies all complete on bars[st] (T.tma_copy), multicast to the cluster
+            # CTAs of the `multicast` mask when given.
+            for p in self.pages:
+                for c in range(0, head_dim, band):
+                    rows = slice(p * rows_per_copy, (p + 1) * rows_per_copy)
+                    if kv_layout == "HND":
+                        src = cache[blocks[p], kv_head, page_rows(kt, p), c:c + band]
+                    else:
+                        src = cache[blocks[p], page_rows(kt, p), kv_head, c:c + band]
+                    if bars is None:
+                        T.copy(src, dst[rows, c:c + band])
+                    else:
+                        T.tma_copy(src, dst[st, rows, c:c + band], barrier=bars[st], cluster_mask=multicast,
+                                   leader_scope_threads=32)
+        self.load_pages = load_pages
+
+        @T.macro
+        def load_q(Q, q_s, q_begin, q0, q_len, head0):
+            for i, d in T.Parallel(block_M, head_dim):  # tokens past q_len repeat its last one
+                q_s[i, d] = Q[q_begin + T.max(T.min(q0 + i // pack, q_len - 1), 0), head0 + i % pack, d]
+        self.load_q = load_q
+
+        @T.macro
+        def load_q_tma(Q, q_ring, bars, qb, q_begin, q0, q_len, head0):
+            # Stage qb of a Q ring, completing on bars[qb]: tile rows (token, head) are token-major, so
+            # one copy per token of its `pack` heads (a [tokens, pack] box is 3D, which TileLang's TMA
+            # lowering does not take), or one copy of all tokens when pack == 1. Rows past q_len
+            # are padding (never stored): with pack == 1 they read the next tokens or TMA's zeros.
+            for c in range(0, head_dim, band):
+                if pack == 1:
+                    T.tma_copy(Q[q_begin + q0:q_begin + q0 + self.tokens, head0, c:c + band],
+                               q_ring[qb, :, c:c + band], barrier=bars[qb], leader_scope_threads=32)
+                else:
+                    for t in range(self.tokens):
+                        tok = q_begin + T.max(T.min(q0 + t, q_len - 1), 0)
+                        T.tma_copy(Q[tok, head0:head0 + pack, c:c + band],
+                                   q_ring[qb, t * pack:(t + 1) * pack, c:c + band], barrier=bars[qb],
+                                   leader_scope_threads=32)
+        self.load_q_tma = load_q_tma
+
+        @T.macro
+        def load_slopes(AlibiSlopes, slope, head0):
+            # In units of raw scores (the softmax scales them): alibi slope / scale.
+            for i in T.Parallel(block_M):
+                slope[i] = AlibiSlopes[head0 + i % pack] / scale
+        self.load_slopes = load_slopes
+
+        @T.macro
+        def mask_scores(acc_s, slope, kt, pos0):
+            # Causal mask (and ALiBi, in units of raw scores: slope = alibi slope / scale).
+            for i, j in T.Parallel(block_M, block_N):
+                rel = kt * block_N + j - (pos0 + i // pack)  # t - (history + token): visible if <= 0
+                if use_alibi:
+                    acc_s[i, j] = T.if_then_else(rel <= 0, acc_s[i, j] + slope[i] * rel, -T.infinity(accum))
+                else:
+                    acc_s[i, j] = T.if_then_else(rel <= 0, acc_s[i, j], -T.infinity(accum))
+        self.mask_scores = mask_scores
+
+        self.softmax_step = online_softmax_step(scale_log2)
+
+        @T.macro
+        def zero_v_tail(v_s, kt, kv_len, st=None):
+            # Page slots past the sequence end may hold anything (NaN): P is 0 there, but 0 * NaN is not.
+            # `v_s` is a [block_N, head_dim] tile, or a ring with `st` its stage.
+            for j, d in T.Parallel(block_N, head_dim):
+                idx = (j, d) if st is None else (st, j, d)
+                v_s[idx] = T.if_then_else(kt * block_N + j < kv_len, v_s[idx], T.cast(0, dtype))
+        self.zero_v_tail = zero_v_tail
+
+        @T.macro
+        def store_out_tma(Out, ring, qb, q_begin, q0, head0, warp, warps):
+            # Warp `warp` of `warps` stores its share of the O tile staged in stage qb of a ring (a full
+            # tile: every token row is valid) by TMA, one copy per token (as load_q_tma) and band, issued
+            # by one lane of the warp; the caller waits for the reads before reusing the stage.
+            per_warp = self.tokens // warps
+            for i in range(per_warp):
+                for c in range(0, head_dim, band):
+                    t = warp * per_warp + i
+                    T.tma_copy(ring[qb, t * pack:(t + 1) * pack, c:c + band],
+                               Out[q_begin + q0 + t, head0:head0 + pack, c:c + band], leader_scope_threads=32)
+        self.store_out_tma = store_out_tma
+
+        @T.macro
+        def store_out(Out, acc_o, denom, q_begin, q0, head0, rows):
+            for i, d in T.Parallel(block_M, head_dim):
+                if i // pack < rows:
+                    Out[q_begin + q0 + i // pack, head0 + i % pack, d] = T.cast(acc_o[i, d] / denom[i], dtype)
+        self.store_out = store_out
+
+    def tile(self, TileSeq, TileQ0, CumSeqLensQ, SeqLens, tile, head_group, exists=True, part=0, parts=1):
+        """The CTA's query tile: (busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows, steps).
+        A schedule tile holds `parts` query tiles of `tokens` tokens (the CTAs of a cluster, which share
+        its KV tiles); this CTA takes query tile `part`, whose rows may all lie past the sequence end
+        (rows = 0), and all of them run the KV steps up to the schedule tile's diagonal. An idle tile (or
+        one that does not `exist`: `tile` is then clamped by the caller) reads sequence 0's scalars, runs
+        zero KV steps and writes nothing."""
+        busy = T.And(exists, TileSeq[tile] >= 0)
+        seq = T.max(TileSeq[tile], 0)
+        head0 = head_group * self.pack
+        first = TileQ0[tile]
+        q_begin = CumSeqLensQ[seq]
+        q_len = CumSeqLensQ[seq + 1] - q_begin
+        kv_len = SeqLens[seq]
+        span = T.if_then_else(busy, T.min(parts * self.tokens, q_len - first), 0)  # valid tokens of all parts
+        steps = T.if_then_else(busy, T.ceildiv(kv_len - q_len + first + span, self.block_N), 0)
+        q0 = first + part * self.tokens
+        pos0 = kv_len - q_len + q0  # KV position of the tile's first query row
+        rows = T.max(T.min(self.tokens, span - part * self.tokens), 0)  # valid tokens in this tile
+        return busy, seq, head0 // self.groups, head0, q_begin, q_len, q0, kv_len, pos0, rows, steps
+

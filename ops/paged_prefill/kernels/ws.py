@@ -1,0 +1,336 @@
+"""The warp-specialized persistent kernel (fp16/bf16, pages of >= 16 rows), FlashAttention-3 style.
+
+One CTA per SM walks (query tile, head group) work items. In the producer warpgroup one warp loads each
+item's Q tile by TMA (two Q buffers where they fit, so a whole item ahead) and hands the item's scalars
+(sequence, position, KV steps) to the others in shared memory with it; another warp loads whole pages of
+K and V by TMA (one copy per page, or `block_N` slice of a larger page, and 128-byte column band) into a
+ring of `num_stages` buffers, one full / free mbarrier pair per buffer, running into the next item as soon
+as its Q tile has landed (its Q copies never wait on the ring). Two consumer warpgroups (64 query rows
+each) issue the scores of KV tile j and the P @ V product of tile j-1 together, so the softmax of tile j
+overlaps that product on the tensor cores. The causal mask is applied only to tiles that cross the
+diagonal. A full tile's O is staged in its Q buffer and stored by TMA (per-thread stores of the
+accumulator cost ~3 us per item).
+
+From 32-row pages, CTA pairs (clusters) take two adjacent query tiles of one head group and share each
+K / V tile: rank 0 multicasts it into both CTAs' rings, halving the L2 reads. On an H200 this kernel runs
+at the board's power cap, and the saved energy buys clock (1545 -> 1630 MHz at 4x4k).
+"""
+
+from collections import namedtuple
+
+import tilelang.language as T
+
+from ...common.runtime import max_active_clusters
+from ..tiling import WS_BLOCK_M, WS_THREADS, ws_smem_bytes, ws_smem_fits
+from .tile_plan import TilePlan
+
+WS_Q_WARP = 9  # loads Q tiles; warp 8 loads K and V (K alone in a cluster, V then on warp 10), never waiting on Q
+# Slots of a work item's scalars in shared memory: the Q warp writes them, the K/V warp and the consumers
+# read them.
+_STEPS, _KV_LEN, _POS0, _Q_BEGIN, _Q0, _HEAD0, _ROWS, _SEQ = range(8)
+
+# What a producer warp needs to fill one K or V ring: the cache, the ring, its free / full mbarriers.
+_KVStream = namedtuple("_KVStream", "cache ring free full")
+# The kernel's buffers, handed to its phases: global tensors, shared rings and their mbarriers, and the
+# consumers' register fragments. (Per-thread scalars, `T.alloc_var`, go to the phases one by one as
+# `T.Ref` arguments: a var read through a tuple would not load.)
+_Global = namedtuple("_Global", "Q KCache VCache BlockTables SeqLens CumSeqLensQ AlibiSlopes TileSeq TileQ0 Out")
+_Shared = namedtuple("_Shared", "q_ring k_ring v_ring k_full v_full k_free v_free q_full q_free item_s")
+_Frags = namedtuple("_Frags", "acc_s acc_p acc_o m_prev m_cur rescale row_sum denom slope")
+
+
+def ring_stage(i, depth):
+    """The buffer of a ring of `depth` buffers taking its i-th use (KV step, or work item for Q)."""
+    return i % depth
+
+
+def ring_phase(i, depth):
+    """The mbarrier phase of that use of its buffer."""
+    return (i // depth) % 2
+
+
+class _ProducerPhases:
+    """The producer warpgroup's macros: the K/V warp(s) filling the K and V rings (`kv_rings`), the Q warp
+    loading each item's Q tile and scalars (`issue_q`), and the role split between them (`producer`)."""
+
+    def __init__(self, plan: TilePlan, num_stages: int, q_stages: int, cluster: int, num_clusters: int,
+                 head_groups: int):
+        num_tiles = plan.dims[4]
+        multicast = (1 << cluster) - 1 if cluster > 1 else None  # the CTAs a K/V copy lands in
+
+        def work_tile(gm, cid, rank, w):
+            """plan.tile of the w-th work item of cluster `cid`, part `rank`. Items are (tile, head group)
+            pairs, longest first, dealt to the clusters in rounds that alternate direction: dealt
+            round-robin, cluster 0 would get the longest item of every round (3% of 4x4k's time in the
+            slowest CTA's surplus)."""
+            work = w * num_clusters + T.if_then_else(w % 2 == 0, cid, num_clusters - 1 - cid)
+            tile = T.min(work // head_groups, num_tiles - 1)
+            return plan.tile(gm.TileSeq, gm.TileQ0, gm.CumSeqLensQ, gm.SeqLens, tile, work % head_groups,
+                             work < num_tiles * head_groups, rank, cluster)
+
+        @T.macro
+        def claim(free, full, st, phase, rank):
+            # The K/V warp may fill stage st (rank 0: released in every CTA) or, on the other ranks, expect
+            # its next fill (its previous fill has landed, so this arrival counts toward the next phase).
+            if cluster > 1 and rank != 0:
+                T.barrier_wait(full[st], phase ^ 1)
+            else:
+                T.barrier_wait(free[st], phase ^ 1)
+
+        @T.macro
+        def kv_rings(streams, q_full, BlockTables, item_s, items, rank):
+            # A producer warp's K and/or V streams (_KVStream): every KV step of every item, behind the item's
+            # Q tile.
+            step = T.alloc_var("int32", init=0)  # KV steps loaded: ring stage and phase
+            for w in T.serial(items):
+                qb = ring_stage(w, q_stages)
+                T.barrier_wait(q_full[qb], ring_phase(w, q_stages))
+                steps_p = item_s[qb, _STEPS]
+                kv_len_p = item_s[qb, _KV_LEN]
+                kv_head = item_s[qb, _HEAD0] // plan.groups
+                seq = item_s[qb, _SEQ]
+                for kt in T.serial(steps_p):
+                    st = ring_stage(step, num_stages)
+                    phase = ring_phase(step, num_stages)
+                    blocks = plan.page_ids(BlockTables, seq, kv_len_p, kt)
+                    for kv in streams:  # (not unpacked: a builder assignment would rename the buffers)
+                        claim(kv.free, kv.full, st, phase, rank)
+                        plan.load_pages(kv.cache, kv.ring, blocks, kv_head, kt, kv.full, st, multicast)
+                        T.barrier_arrive(kv.full[st])
+                    step = step + 1
+
+        @T.macro
+        def issue_q(gm, sm, cid, rank, tx, w):
+            # Q tile and scalars of item w, handed to the consumers and the K/V warp through q_full (its
+            # arrival releases the scalars' shared stores).
+            _, seq, _, head0, q_begin, q_len, q0, kv_len, pos0, rows, steps = work_tile(gm, cid, rank, w)
+            qb = ring_stage(w, q_stages)
+            T.barrier_wait(sm.q_free[qb], ring_phase(w, q_stages) ^ 1)
+            plan.load_q_tma(gm.Q, sm.q_ring, sm.q_full, qb, q_begin, q0, q_len, head0)
+            if tx == WS_Q_WARP * 32:
+                for slot, v in ((_STEPS, steps), (_KV_LEN, kv_len), (_POS0, pos0),
+                                (_Q_BEGIN, q_begin), (_Q0, q0), (_HEAD0, head0), (_ROWS, rows), (_SEQ, seq)):
+                    sm.item_s[qb, slot] = v
+            T.barrier_arrive(sm.q_full[qb])
+
+        @T.macro
+        def producer(gm, sm, cid, rank, tx, items):
+            # The producer warpgroup: K/V warp(s), and a Q warp that also writes the item scalars.
+            T.set_max_nreg(40, 0)  # at 24 the page-id math spills (128 B at 16-row pages)
+            k_stream = _KVStream(gm.KCache, sm.k_ring, sm.k_free, sm.k_full)
+            v_stream = _KVStream(gm.VCache, sm.v_ring, sm.v_free, sm.v_full)
+            if tx < WS_Q_WARP * 32:  # warp 8: K and V, or K alone when a cluster shares them
+                # (a cluster's stage waits on every CTA's consumers: K's lookahead must not queue
+                # behind V's slower free slot, 4.5% at 4x4k on an H200)
+                kv_rings([k_stream, v_stream] if cluster == 1 else [k_stream], sm.q_full, gm.BlockTables,
+                         sm.item_s, items, rank)
+            elif tx < WS_Q_WARP * 32 + 32:
+                for w in T.serial(items):
+                    issue_q(gm, sm, cid, rank, tx, w)
+            elif tx < WS_Q_WARP * 32 + 64:
+                if cluster > 1:  # warp 10: V
+                    kv_rings([v_stream], sm.q_full, gm.BlockTables, sm.item_s, items, rank)
+
+        self.producer = producer
+
+
+class _ConsumerPhases:
+    """The consumer warpgroups' macros: a work item's start (`begin_item`), one KV step (`kv_step`), the
+    last P @ V (`last_pv`), the output store (`store_item`), and the loop over the items (`consumer`)."""
+
+    def __init__(self, plan: TilePlan, head_dim: int, dtype: str, use_alibi: bool, num_stages: int,
+                 q_stages: int, cluster: int, tma_out: bool):
+        block_M, block_N, accum = WS_BLOCK_M, plan.block_N, "float32"
+
+        @T.macro
+        def release(free, st, tx):
+            # The consumers are done reading stage st: every thread arrives, or with a cluster one lane per
+            # consumer warp on rank 0's barrier (rank 0 refills the stage in every CTA of the cluster).
+            if cluster == 1:
+                T.barrier_arrive(free[st])
+            elif tx % 32 == 0:
+                T.mbarrier_arrive(free[st], 0)
+
+        @T.macro
+        def begin_item(gm, sm, rf, qb, w, steps: T.Ref, kv_len: T.Ref, pos0: T.Ref, q_begin: T.Ref,
+                       q0: T.Ref, head0: T.Ref, rows: T.Ref):
+            # Fresh accumulators, then the item's Q tile and scalars from the Q warp.
+            T.fill(rf.acc_o, 0)
+            T.fill(rf.denom, 0)
+            T.fill(rf.m_cur, -T.infinity(accum))
+            T.barrier_wait(sm.q_full[qb], ring_phase(w, q_stages))
+            steps = sm.item_s[qb, _STEPS]
+            kv_len = sm.item_s[qb, _KV_LEN]
+            pos0 = sm.item_s[qb, _POS0]
+            q_begin = sm.item_s[qb, _Q_BEGIN]
+            q0 = sm.item_s[qb, _Q0]
+            head0 = sm.item_s[qb, _HEAD0]
+            rows = sm.item_s[qb, _ROWS]
+            if use_alibi:
+                plan.load_slopes(gm.AlibiSlopes, rf.slope, head0)
+
+        @T.macro
+        def kv_step(sm, rf, qb, kt, step: T.Ref, pos0: T.Ref, tx):
+            # Scores of step kt, then P @ V of step kt-1 behind them: the softmax below runs while the
+            # tensor cores finish that product.
+            st = ring_stage(step + kt, num_stages)
+            prev = ring_stage(step + kt - 1, num_stages)
+            T.barrier_wait(sm.k_full[st], ring_phase(step + kt, num_stages))
+            T.wgmma_gemm(sm.q_ring[qb, :, :], sm.k_ring[st, :, :], rf.acc_s, transpose_B=True, clear_accum=True,
+                         policy=T.GemmWarpPolicy.FullRow)
+            if kt > 0:
+                T.barrier_wait(sm.v_full[prev], ring_phase(step + kt - 1, num_stages))
+                T.wgmma_gemm(rf.acc_p, sm.v_ring[prev, :, :], rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
+                T.wait_wgmma(1)
+            else:
+                T.wait_wgmma(0)
+            release(sm.k_free, st, tx)
+            if use_alibi or (kt + 1) * block_N > pos0 + 1:  # the tile crosses the diagonal
+                plan.mask_scores(rf.acc_s, rf.slope, kt, pos0)
+            plan.softmax_step(rf.acc_s, rf.m_cur, rf.m_prev, rf.rescale, rf.row_sum, rf.denom)
+            T.wait_wgmma(0)
+            if kt > 0:
+                release(sm.v_free, prev, tx)
+            for i, d in T.Parallel(block_M, head_dim):
+                rf.acc_o[i, d] *= rf.rescale[i]
+            T.copy(rf.acc_s, rf.acc_p)
+
+        @T.macro
+        def last_pv(sm, rf, step: T.Ref, steps: T.Ref, kv_len: T.Ref, tx):
+            # P @ V of the last step (past the sequence end, the V rows are zeroed).
+            if steps > 0:
+                last = ring_stage(step + steps - 1, num_stages)
+                T.barrier_wait(sm.v_full[last], ring_phase(step + steps - 1, num_stages))
+                if steps * block_N > kv_len:
+                    plan.zero_v_tail(sm.v_ring, steps - 1, kv_len, last)
+                T.gemm(rf.acc_p, sm.v_ring[last, :, :], rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
+                release(sm.v_free, last, tx)
+
+        @T.macro
+        def store_item(gm, sm, rf, qb, q_begin: T.Ref, q0: T.Ref, head0: T.Ref, rows: T.Ref, tx):
+            # O of the item, then its Q buffer back to the Q warp.
+            if tma_out and rows == plan.tokens:
+                # The scores' products, the Q tile's only readers, are done: O goes through it.
+                for i, d in T.Parallel(block_M, head_dim):
+                    sm.q_ring[qb, i, d] = T.cast(rf.acc_o[i, d] / rf.denom[i], dtype)
+                T.fence_proxy_async()  # the shared stores, before the TMA engine reads them
+                T.sync_threads(1, 256)
+                plan.store_out_tma(gm.Out, sm.q_ring, qb, q_begin, q0, head0, tx // 32, 8)
+            else:
+                plan.store_out(gm.Out, rf.acc_o, rf.denom, q_begin, q0, head0, rows)
+            T.tma_store_wait(0)  # the O store's reads of the Q buffer, before handing it back
+            T.barrier_arrive(sm.q_free[qb])
+
+        @T.macro
+        def consumer(gm, sm, rf, step: T.Ref, steps: T.Ref, kv_len: T.Ref, pos0: T.Ref, q_begin: T.Ref,
+                     q0: T.Ref, head0: T.Ref, rows: T.Ref, tx, items):
+            # The two consumer warpgroups: 64 query rows each.
+            T.set_max_nreg(232, 1)  # 128 x 40 + 256 x 232 fits the 168 x 384 of the launch
+            for w in T.serial(items):
+                qb = ring_stage(w, q_stages)
+                begin_item(gm, sm, rf, qb, w, steps, kv_len, pos0, q_begin, q0, head0, rows)
+                for kt in T.serial(steps):
+                    kv_step(sm, rf, qb, kt, step, pos0, tx)
+                last_pv(sm, rf, step, steps, kv_len, tx)
+                store_item(gm, sm, rf, qb, q_begin, q0, head0, rows, tx)
+                step = step + steps
+
+        self.consumer = consumer
+
+
+def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
+                            use_alibi: bool, kv_layout: str, scale: float, num_ctas: int, block_N: int = 128,
+                            num_stages: int = 2, cluster: int = 1):
+    """Warp-specialized causal paged attention (module docstring), fp16/bf16, pages of >= 16 rows.
+    Persistent: `num_ctas` CTAs (one per SM) take the (tile, head group) work items round-robin, so the
+    producer loads the next item's first K/V tiles while the consumers finish the current one.
+
+    With `cluster` > 1 a work item is `cluster` adjacent query tiles of one head group, one per CTA of a
+    cluster, and all walk the same KV tiles (the last one's diagonal; the others mask the excess): rank 0
+    loads each K / V tile once by TMA multicast into every CTA's ring, so the L2 serves a `cluster`-th of
+    the K/V bytes. Rank 0 refills a stage once the consumers of all CTAs have released it (one arrival per
+    consumer warp on rank 0's free barrier); the other ranks' producers only announce the bytes they
+    expect, once the stage's previous fill has landed. K and V then have a producer warp each."""
+    block_M = WS_BLOCK_M
+    plan = TilePlan(num_heads, num_kv_heads, head_dim, page_size, dtype, use_alibi, kv_layout, scale,
+                    block_M, block_N)
+    total_q, num_seqs, num_blocks, max_blocks, num_tiles = plan.dims
+    head_groups = num_heads // plan.pack
+    accum = "float32"
+    # The producer loads the next item's Q while the consumers work on this one, when two Q tiles fit.
+    q_stages = 2 if ws_smem_fits(2, block_N, num_stages, head_dim) else 1
+    # Full tiles stage O in their Q buffer and store it by TMA, split over the 8 consumer warps.
+    tma_out = plan.tokens % 8 == 0
+    # A persistent grid of clusters holds only those resident at once (one CTA per SM).
+    num_clusters = num_ctas if cluster == 1 else min(num_ctas // cluster, max_active_clusters(
+        cluster, WS_THREADS, ws_smem_bytes(q_stages, block_N, num_stages, head_dim)))
+    producer = _ProducerPhases(plan, num_stages, q_stages, cluster, num_clusters, head_groups).producer
+    consumer = _ConsumerPhases(plan, head_dim, dtype, use_alibi, num_stages, q_stages, cluster, tma_out).consumer
+
+    @T.prim_func
+    def paged_prefill_ws(
+        Q: T.Tensor(plan.q_shape, dtype),
+        KCache: T.Tensor(plan.kv_shape, dtype),
+        VCache: T.Tensor(plan.kv_shape, dtype),
+        BlockTables: T.Tensor((num_seqs, max_blocks), "int32"),
+        SeqLens: T.Tensor((num_seqs,), "int32"),
+        CumSeqLensQ: T.Tensor((num_seqs + 1,), "int32"),
+        AlibiSlopes: T.Tensor((num_heads,), "float32"),
+        TileSeq: T.Tensor((num_tiles,), "int32"),
+        TileQ0: T.Tensor((num_tiles,), "int32"),
+        Out: T.Tensor(plan.q_shape, dtype),
+    ):
+        with T.Kernel(cluster, num_clusters, threads=WS_THREADS,
+                      cluster_dims=(cluster, 1, 1) if cluster > 1 else None) as (rank, cid):
+            q_ring = T.alloc_shared((q_stages, block_M, head_dim), dtype)
+            k_ring = T.alloc_shared((num_stages, block_N, head_dim), dtype)
+            v_ring = T.alloc_shared((num_stages, block_N, head_dim), dtype)
+            k_full = T.alloc_barrier([32] * num_stages)  # the K/V warp arrives, TMA bytes complete it
+            v_full = T.alloc_barrier([32] * num_stages)
+            if cluster == 1:  # consumer threads arrive when done reading
+                k_free = T.alloc_barrier([256] * num_stages)
+                v_free = T.alloc_barrier([256] * num_stages)
+            else:  # the consumer warps of every CTA of the cluster arrive (at rank 0's)
+                k_free = T.alloc_cluster_barrier([8 * cluster] * num_stages)
+                v_free = T.alloc_cluster_barrier([8 * cluster] * num_stages)
+            q_full = T.alloc_barrier([32] * q_stages)  # the Q warp
+            q_free = T.alloc_barrier([256] * q_stages)
+            # The Q warp hands each item's scalars to the consumers and the K/V warp with its Q tile (their
+            # global loads would otherwise stall them at every item start).
+            item_s = T.alloc_shared((q_stages, _SEQ + 1), "int32")
+            steps = T.alloc_var("int32")
+            kv_len = T.alloc_var("int32")
+            pos0 = T.alloc_var("int32")
+            q_begin = T.alloc_var("int32")
+            q0 = T.alloc_var("int32")
+            head0 = T.alloc_var("int32")
+            rows = T.alloc_var("int32")
+            acc_s = T.alloc_fragment((block_M, block_N), accum)
+            acc_p = T.alloc_fragment((block_M, block_N), dtype)
+            acc_o = T.alloc_fragment((block_M, head_dim), accum)
+            m_prev = T.alloc_fragment((block_M,), accum)
+            m_cur = T.alloc_fragment((block_M,), accum)
+            rescale = T.alloc_fragment((block_M,), accum)
+            row_sum = T.alloc_fragment((block_M,), accum)
+            denom = T.alloc_fragment((block_M,), accum)
+            slope = T.alloc_fragment((block_M,), accum)
+            step = T.alloc_var("int32", init=0)  # KV steps done by this CTA: ring stage and phase
+            tx = T.get_thread_binding()
+            items = T.ceildiv(num_tiles * head_groups, num_clusters)  # rounds of work (work_tile)
+            if cluster > 1:
+                # TileLang launches clusters with programmatic stream serialization allowed, so this grid
+                # may start before the stream's previous kernel (the schedule, or the caller's writes of
+                # Q / K / V) has finished; only this wait makes their results visible.
+                T.pdl_sync()
+
+            gm = _Global(Q, KCache, VCache, BlockTables, SeqLens, CumSeqLensQ, AlibiSlopes, TileSeq, TileQ0, Out)
+            sm = _Shared(q_ring, k_ring, v_ring, k_full, v_full, k_free, v_free, q_full, q_free, item_s)
+            rf = _Frags(acc_s, acc_p, acc_o, m_prev, m_cur, rescale, row_sum, denom, slope)
+            if tx >= 256:  # producer warpgroup
+                producer(gm, sm, cid, rank, tx, items)
+            else:  # consumer warpgroups
+                consumer(gm, sm, rf, step, steps, kv_len, pos0, q_begin, q0, head0, rows, tx, items)
+            if cluster > 1:  # no CTA leaves while the other may still multicast into it or arrive on it
+                T.cluster_sync()
+
+    return paged_prefill_ws
