@@ -9,7 +9,7 @@ reference in ``golden``; the shared machinery (runtime, validation, op protocol)
 
 from .common import runtime  # noqa: F401  (sets up the kernel cache before any kernel module imports TileLang)
 from .hsa import HSADecodeTileLang, HSAPageReprTileLang, hsa_decode, hsa_page_repr, hsa_select
-from .htree import HTreeForwardTileLang, htree_attention
+from .htree import HTreeBackwardTileLang, HTreeForwardTileLang, htree_attention
 from .mhc import (MHCBackwardPreTileLang, MHCForwardPreTileLang, MHCPostBackwardTileLang, MHCPostPreTileLang,
                   MHCPostTileLang, mhc_post, mhc_post_pre, mhc_pre)
 from .paged_prefill import PagedAttentionPrefillTileLang, paged_attention_prefill
@@ -19,5 +19,5 @@ __all__ = [
     "MHCPostTileLang", "MHCPostBackwardTileLang", "mhc_post", "MHCPostPreTileLang", "mhc_post_pre",
     "PagedAttentionPrefillTileLang", "paged_attention_prefill",
     "HSADecodeTileLang", "HSAPageReprTileLang", "hsa_decode", "hsa_select", "hsa_page_repr",
-    "HTreeForwardTileLang", "htree_attention",
+    "HTreeForwardTileLang", "HTreeBackwardTileLang", "htree_attention",
 ]
