@@ -35,7 +35,7 @@ from ..common.protocol import Op
 from ..common.runtime import compile_kernel, resolve_config
 from ..common.validate import check_bool, check_tensor, check_values
 from .bwd_index import parent_lists, slab_index
-from .forward import check_spec
+from .forward import set_spec
 from .kernels.bwd_nodes import LIST_SLOT_BITS, children_tile, htree_bwd_nodes_kernel
 from .kernels.bwd_rows import htree_bwd_rows_kernel
 from .kernels.bwd_top import htree_bwd_top_dkv_kernel, htree_bwd_top_dq_kernel
@@ -91,19 +91,9 @@ class HTreeBackwardTileLang(Op):
                  top_k_per_layer=512, max_top_nodes=8192, rope_base=10000.0, dtype=torch.bfloat16,
                  scale=None, config=None):
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        self.rope_base, self.scale, tl_dtype = check_spec(num_heads, num_kv_heads, head_dim, v_head_dim,
-                                                          compression_rate, top_k_per_layer, max_top_nodes, rope_base,
-                                                          dtype, scale)
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim, self.v_head_dim = head_dim, v_head_dim
-        self.compression_rate, self.top_k_per_layer, self.max_top_nodes = compression_rate, top_k_per_layer, \
-            max_top_nodes
-        self.dtype = dtype
+        tl_dtype = set_spec(self, num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate, top_k_per_layer,
+                            max_top_nodes, rope_base, dtype, scale)
         self.nbuf = 1 << pack_bits(compression_rate, top_k_per_layer, max_top_nodes)
-        self.spec = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-                     "v_head_dim": v_head_dim, "compression_rate": compression_rate,
-                     "top_k_per_layer": top_k_per_layer, "max_top_nodes": max_top_nodes, "scale": self.scale,
-                     "dtype": tl_dtype}
         self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
         c = self.config
         H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate

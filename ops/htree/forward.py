@@ -63,9 +63,11 @@ WALK_KEYS = ("block_n", "threads", "min_blocks", "chunk_rope")  # the config key
 _TOP_CHUNK = {True: dict(lse=32, keys=64, merge=32), False: dict(lse=32, keys=32, merge=64)}
 
 
-def check_spec(num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate, top_k_per_layer, max_top_nodes,
-               rope_base, dtype, scale) -> tuple[float, float, str]:
-    """The htree specification's checks (forward and backward): (rope_base, scale, TileLang dtype name)."""
+def set_spec(op, num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate, top_k_per_layer, max_top_nodes,
+             rope_base, dtype, scale) -> str:
+    """Check the htree specification and set it on ``op`` (forward and backward alike): its attributes and
+    ``op.spec``, which is the walk's builder arguments (``tunable_kernel(spec)(**spec, **walk config)``). Returns
+    the TileLang dtype name."""
     check_int("num_heads", num_heads, lo=1)
     check_int("num_kv_heads", num_kv_heads, lo=1)
     if num_heads % num_kv_heads:
@@ -80,9 +82,17 @@ def check_spec(num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate, 
     check_int("max_top_nodes", max_top_nodes, lo=1, power_of_two=True)
     check_int("max(max_top_nodes, top_k_per_layer * compression_rate)",
               max(max_top_nodes, top_k_per_layer * compression_rate), hi=MAX_BUFFER)
-    rope_base = check_float("rope_base", rope_base, positive=True)
-    scale = check_scale(scale, head_dim)
-    return rope_base, scale, dtype_name(dtype, DTYPES)
+    op.rope_base = check_float("rope_base", rope_base, positive=True)
+    op.scale = check_scale(scale, head_dim)
+    tl_dtype = dtype_name(dtype, DTYPES)
+    op.num_heads, op.num_kv_heads = num_heads, num_kv_heads
+    op.head_dim, op.v_head_dim = head_dim, v_head_dim
+    op.compression_rate, op.top_k_per_layer, op.max_top_nodes = compression_rate, top_k_per_layer, max_top_nodes
+    op.dtype = dtype
+    op.spec = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim, "v_head_dim": v_head_dim,
+               "compression_rate": compression_rate, "top_k_per_layer": top_k_per_layer,
+               "max_top_nodes": max_top_nodes, "scale": op.scale, "dtype": tl_dtype}
+    return tl_dtype
 
 
 class HTreeForwardTileLang(Op):
@@ -146,19 +156,8 @@ class HTreeForwardTileLang(Op):
                  top_k_per_layer=512, max_top_nodes=8192, rope_base=10000.0, dtype=torch.bfloat16,
                  scale=None, config=None):
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        self.rope_base, self.scale, tl_dtype = check_spec(num_heads, num_kv_heads, head_dim, v_head_dim,
-                                                          compression_rate, top_k_per_layer, max_top_nodes, rope_base,
-                                                          dtype, scale)
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim, self.v_head_dim = head_dim, v_head_dim
-        self.compression_rate, self.top_k_per_layer, self.max_top_nodes = compression_rate, top_k_per_layer, \
-            max_top_nodes
-        self.dtype = dtype
-        # the walk's builder arguments (tunable_kernel(spec)(**spec, **walk config))
-        self.spec = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-                     "v_head_dim": v_head_dim, "compression_rate": compression_rate,
-                     "top_k_per_layer": top_k_per_layer, "max_top_nodes": max_top_nodes, "scale": self.scale,
-                     "dtype": tl_dtype}
+        tl_dtype = set_spec(self, num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate, top_k_per_layer,
+                            max_top_nodes, rope_base, dtype, scale)
         self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
         self.pool = compile_kernel(htree_pool_kernel(num_kv_heads, head_dim, v_head_dim, compression_rate, tl_dtype))
         self.rope = compile_kernel(htree_rope_kernel(num_kv_heads, head_dim, tl_dtype))
