@@ -2,7 +2,8 @@
 (fp32 / bf16 / fp16, G in {1, 4, 16}, K != V, T not a multiple of r^l, 1 to 5 layers, top_k = 1 and top_k selecting
 everything), gradients poisoned with NaN, bitwise determinism, htree_attention end to end and under torch.compile,
 the forward's lse and saved selections, the 16-bit forward's selection agreement with the fp32 golden, and two
-shapes for compute-sanitizer (``-k memcheck``)."""
+shapes for compute-sanitizer (``-k memcheck``). The tests share specializations (each builds ~18 kernels on first
+use), so a first run spends most of its time building."""
 
 import pytest
 import torch
@@ -174,10 +175,10 @@ def test_forward_lse_and_saved_selections(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_htree_attention_backward_end_to_end(dtype):
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=_ids)
+def test_htree_attention_backward_end_to_end(case):
     """htree_attention(...).sum().backward(): the golden's gradients (with the forward's selections)."""
-    case = (dtype,) + CASES[1][1:]
+    dtype = case[0]
     q, k, v, _ = _inputs(case)
     r, top_k, max_top = case[5:8]
     q, k, v = (x.requires_grad_() for x in (q, k, v))
@@ -190,11 +191,10 @@ def test_htree_attention_backward_end_to_end(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_htree_attention_torch_compile_backward(dtype):
+@pytest.mark.parametrize("case", [CASES[7], CASES[8]], ids=_ids)
+def test_htree_attention_torch_compile_backward(case):
     """torch.compile(fullgraph=True) traces forward and backward (the custom ops' fakes): eager's output and
     gradients; the plain custom op's backward (recomputing the forward) agrees too."""
-    case = (dtype, 8, 2, 32, 64, 4, 4, 16, 300)
     q0, k0, v0, do = _inputs(case)
     r, top_k, max_top = case[5:8]
 
@@ -216,8 +216,7 @@ def test_htree_attention_torch_compile_backward(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [(torch.bfloat16, 8, 2, 64, 32, 16, 8, 32, 1000),
-                                  (torch.float32, 16, 1, 32, 64, 4, 4, 16, 333)], ids=["bf16-L3", "fp32-L4"])
+@pytest.mark.parametrize("case", [CASES[1][:8] + (1000,), CASES[2]], ids=["bf16-L3", "fp16-L4"])
 def test_backward_memcheck_shapes(case):
     """Small shapes for ``compute-sanitizer --tool memcheck python -m pytest tests/test_htree_bwd_gpu.py -k memcheck``:
     the forward that saves and the backward, once each."""
@@ -236,8 +235,11 @@ FIDELITY = [(dt, H, Hkv, K, r, tk, mt, T) for dt in (torch.bfloat16, torch.float
                                             (16, 1, 32, 8, 4, 32, 2000))]
 # the measured fractions of (token, kv head) rows whose selections at every layer equal the golden's (fp32 scores
 # from the same 16-bit inputs and tree) must stay above these; a disagreeing row's output differs by O(1), which is
-# why the gradient tests force the kernel's selections on the golden
-AGREEMENT = {torch.bfloat16: 0.99, torch.float16: 0.997}
+# why the gradient tests force the kernel's selections on the golden. The golden with its rotated operands rounded to
+# 16 bits (what the 16-bit kernels multiply) agrees on these shapes in bf16 0.995 / 0.973 / 0.990 and in fp16
+# 0.9993 / 0.9968 / 0.9985 of rows: the more candidates compete per selection (top_k 16 of ~190 at K = 128), the
+# more near-ties flip.
+AGREEMENT = {torch.bfloat16: 0.95, torch.float16: 0.99}
 
 
 @pytest.mark.gpu

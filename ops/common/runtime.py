@@ -13,6 +13,7 @@ Environment variables:
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import json
@@ -151,6 +152,14 @@ def compile_kernel(prim_func, out_idx=None, pass_configs: dict | None = None):
         raise
     logger.info("kernel %s for %s ready in %.1f s", name, tgt["arch"], time.perf_counter() - start)
     return kernel
+
+
+def compile_kernels(*prim_funcs, pass_configs: dict | None = None) -> list:
+    """``compile_kernel`` of each function, built concurrently (TileLang's lowering releases the GIL and nvcc runs
+    as a subprocess), in order: an op with many kernels builds in about the time of its slowest one."""
+    workers = max(1, min(len(prim_funcs), len(os.sched_getaffinity(0))))
+    with concurrent.futures.ThreadPoolExecutor(workers, "llm-tile-ops-build") as pool:
+        return list(pool.map(lambda f: compile_kernel(f, pass_configs=pass_configs), prim_funcs))
 
 
 # ----------------------------------------------------------------------------- tuned configs

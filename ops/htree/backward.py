@@ -32,7 +32,7 @@ import math
 import torch
 
 from ..common.protocol import Op
-from ..common.runtime import compile_kernel, resolve_config
+from ..common.runtime import compile_kernels, resolve_config
 from ..common.validate import check_bool, check_tensor, check_values
 from .bwd_index import parent_lists, slab_index
 from .forward import set_spec
@@ -44,7 +44,8 @@ from .kernels.pool_rope import htree_pool_kernel, htree_rope_kernel
 from .tree import build_tree, layer_sizes, pack_bits, rope_tables
 
 _SMEM = 200 * 1024  # what the tile choices below let a CTA's operand tiles take
-_REGS = 96  # fp32 accumulator registers per thread the tile choices allow (128 threads)
+_REGS = 96  # fp32 accumulator registers per thread the tile choices allow (128 threads; ptxas then reports 137-155
+# registers for the bench's (b) kernels, no spills)
 
 
 def _operand_bytes(dtype: str) -> int:
@@ -74,12 +75,14 @@ class HTreeBackwardTileLang(Op):
         the top layer's dq (rows, nodes per chunk), dK/dV (nodes, rows), the rows kernel's chunk, the nodes kernel's
         rows per block."""
         K, V, e = spec["head_dim"], spec["v_head_dim"], _operand_bytes(spec["dtype"])
-        top_dq = next((bm, bn) for bm, bn in ((64, 64), (64, 32), (32, 32), (16, 32))
-                      if ((bm + bn) * (K + V) + bm * bn) * e + 4 * bm * K <= _SMEM
-                      and bm * (2 * bn + K) // 128 <= _REGS)
-        top_dkv = next((bn, bm) for bn, bm in ((32, 64), (16, 64), (16, 32), (16, 16))
-                       if ((bn + bm) * (K + V) + 2 * bn * bm) * e + 4 * bn * K + 8 * bm <= _SMEM
-                       and bn * (2 * bm + K + V) // 128 <= _REGS * 2 // 3)
+        regs = _REGS // (2 if spec["dtype"] == "float32" else 1)  # fp32: the products' split operands take as many
+        top_dq = next(((bm, bn) for bm, bn in ((64, 64), (64, 32), (32, 32))
+                       if ((bm + bn) * (K + V) + bm * bn) * e + 4 * bm * K <= _SMEM
+                       and bm * (2 * bn + K) // 128 <= regs),
+                      (16, 32))
+        top_dkv = next(((bn, bm) for bn, bm in ((32, 64), (16, 64), (16, 32))
+                        if ((bn + bm) * (K + V) + 2 * bn * bm) * e + 4 * bn * K + 8 * bm <= _SMEM
+                        and bn * (2 * bm + K + V) // 128 <= regs * 2 // 3), (16, 16))
         rows = next((bn for bn in (64, 32) if ((16 + bn) * (K + V) + 16 * bn) * e + 8 * 16 * K <= _SMEM // 2), 32)
         ct = children_tile(spec["compression_rate"])
         nodes = next(bm for bm in (64, 32, 16)
@@ -97,20 +100,20 @@ class HTreeBackwardTileLang(Op):
         self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
         c = self.config
         H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
-        self.pool = compile_kernel(htree_pool_kernel(Hkv, K, V, r, tl_dtype))
-        self.rope = compile_kernel(htree_rope_kernel(Hkv, K, tl_dtype))
-        self.delta = compile_kernel(htree_bwd_delta_kernel(H, V, tl_dtype))
-        self.top_dq = compile_kernel(htree_bwd_top_dq_kernel(H, Hkv, K, V, self.scale, tl_dtype,
-                                                             block_m=c["top_dq_block_m"], block_n=c["top_dq_block_n"]))
-        self.top_dkv = compile_kernel(htree_bwd_top_dkv_kernel(H, Hkv, K, V, self.scale, tl_dtype,
-                                                               block_m=c["top_dkv_block_m"],
-                                                               block_n=c["top_dkv_block_n"]))
-        self.rows = compile_kernel(htree_bwd_rows_kernel(H, Hkv, K, V, r, top_k_per_layer, max_top_nodes, self.scale,
-                                                         tl_dtype, block_n=c["rows_block_n"]))
-        self.nodes = compile_kernel(htree_bwd_nodes_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, tl_dtype,
-                                                           block_m=c["nodes_block_m"]))
-        self.unpool = compile_kernel(htree_bwd_unpool_kernel(Hkv, K, V, r, tl_dtype, final=False))
-        self.unpool_out = compile_kernel(htree_bwd_unpool_kernel(Hkv, K, V, r, tl_dtype, final=True))
+        (self.pool, self.rope, self.delta, self.top_dq, self.top_dkv, self.rows, self.nodes, self.unpool,
+         self.unpool_out) = compile_kernels(
+            htree_pool_kernel(Hkv, K, V, r, tl_dtype),
+            htree_rope_kernel(Hkv, K, tl_dtype),
+            htree_bwd_delta_kernel(H, V, tl_dtype),
+            htree_bwd_top_dq_kernel(H, Hkv, K, V, self.scale, tl_dtype, block_m=c["top_dq_block_m"],
+                                    block_n=c["top_dq_block_n"]),
+            htree_bwd_top_dkv_kernel(H, Hkv, K, V, self.scale, tl_dtype, block_m=c["top_dkv_block_m"],
+                                     block_n=c["top_dkv_block_n"]),
+            htree_bwd_rows_kernel(H, Hkv, K, V, r, top_k_per_layer, max_top_nodes, self.scale, tl_dtype,
+                                  block_n=c["rows_block_n"]),
+            htree_bwd_nodes_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, tl_dtype, block_m=c["nodes_block_m"]),
+            htree_bwd_unpool_kernel(Hkv, K, V, r, tl_dtype, final=False),
+            htree_bwd_unpool_kernel(Hkv, K, V, r, tl_dtype, final=True))
         self._tables = {}
 
     # ----------------------------------------------------------------------------- call

@@ -40,7 +40,7 @@ from types import SimpleNamespace
 import torch
 
 from ..common.protocol import Op
-from ..common.runtime import compile_kernel, resolve_config
+from ..common.runtime import compile_kernels, resolve_config
 from ..common.hw import LOG2E
 from ..common.validate import check_bool, check_choice, check_float, check_int, check_scale, check_tensor, dtype_name
 from .kernels.fragments import uses_layer_kernels
@@ -105,9 +105,11 @@ class HTreeForwardTileLang(Op):
 
     16-bit selections: the 16-bit kernels score with one 16-bit product (fp32 accumulation) from 16-bit rotated
     operands, so near-ties can select differently from the golden's fp32 scores on the same inputs (a row that
-    differs has an O(1) different output); ``tests/test_htree_bwd_gpu.py::test_16bit_selection_agreement`` measures
-    the agreeing fraction of (token, kv head) rows at 3 layers and asserts >= 99% (bf16) / 99.7% (fp16). fp32
-    (split TF32) agrees on >= 99.9% of rows.
+    differs has an O(1) different output). ``tests/test_htree_bwd_gpu.py::test_16bit_selection_agreement`` measures
+    the agreeing fraction of (token, kv head) rows at 3 layers over three shapes and asserts >= 95% (bf16) / 99%
+    (fp16); the golden with 16-bit rotated operands (the kernels' rounding) agrees on 97.3-99.5% (bf16) and
+    99.68-99.93% (fp16) there, lowest where most candidates compete (top_k 16 of ~190). fp32 (split TF32) agrees on
+    >= 99.9% of rows.
 
     The functional form, a ``torch.library`` custom op: ``ops.htree.htree_attention``."""
 
@@ -159,31 +161,34 @@ class HTreeForwardTileLang(Op):
         tl_dtype = set_spec(self, num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate, top_k_per_layer,
                             max_top_nodes, rope_base, dtype, scale)
         self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
-        self.pool = compile_kernel(htree_pool_kernel(num_kv_heads, head_dim, v_head_dim, compression_rate, tl_dtype))
-        self.rope = compile_kernel(htree_rope_kernel(num_kv_heads, head_dim, tl_dtype))
         chunk = _TOP_CHUNK[dtype == torch.float32]
-        self.top_lse = compile_kernel(htree_top_lse_kernel(num_heads, num_kv_heads, head_dim, self.scale, tl_dtype,
-                                                           block_n=chunk["lse"]))
-        self.top_keys = compile_kernel(htree_top_keys_kernel(num_heads, num_kv_heads, head_dim, compression_rate,
-                                                             top_k_per_layer, max_top_nodes, self.scale, tl_dtype,
-                                                             block_n=chunk["keys"]))
-        self.top_merge = compile_kernel(htree_top_merge_kernel(num_heads, num_kv_heads, head_dim, v_head_dim,
-                                                               self.scale, tl_dtype, block_n=chunk["merge"]))
         walk = {key: value for key, value in self.config.items() if key in WALK_KEYS}
-        self.kernel = compile_kernel(htree_fwd_kernel(**self.spec, **walk))
+        funcs = [htree_pool_kernel(num_kv_heads, head_dim, v_head_dim, compression_rate, tl_dtype),
+                 htree_rope_kernel(num_kv_heads, head_dim, tl_dtype),
+                 htree_top_lse_kernel(num_heads, num_kv_heads, head_dim, self.scale, tl_dtype, block_n=chunk["lse"]),
+                 htree_top_keys_kernel(num_heads, num_kv_heads, head_dim, compression_rate, top_k_per_layer,
+                                       max_top_nodes, self.scale, tl_dtype, block_n=chunk["keys"]),
+                 htree_top_merge_kernel(num_heads, num_kv_heads, head_dim, v_head_dim, self.scale, tl_dtype,
+                                        block_n=chunk["merge"]),
+                 htree_fwd_kernel(**self.spec, **walk)]
         self.layer0 = self.middle = self.rope0 = None
-        if uses_layer_kernels(tl_dtype, head_dim, v_head_dim, num_heads // num_kv_heads, compression_rate):
+        layered = uses_layer_kernels(tl_dtype, head_dim, v_head_dim, num_heads // num_kv_heads, compression_rate)
+        if layered:
             shape = (num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate, top_k_per_layer, max_top_nodes,
                      self.scale)
             if dtype == torch.float32:
-                self.layer0 = compile_kernel(htree_layer0_kernel(*shape, tiles0=self.config["tiles0"],
-                                                                 min_blocks=self.config["min_blocks0"]))
+                funcs.append(htree_layer0_kernel(*shape, tiles0=self.config["tiles0"],
+                                                 min_blocks=self.config["min_blocks0"]))
             else:  # the nodes below the top pre-rotated at their child index
-                self.rope0 = compile_kernel(htree_rope_kernel(num_kv_heads, head_dim, tl_dtype,
-                                                              period=compression_rate))
-                self.layer0, self.middle = (compile_kernel(htree_layer16_kernel(
-                    *shape, tl_dtype, middle=middle, min_blocks=self.config["min_blocks0"]))
-                    for middle in (False, True))
+                funcs += [htree_rope_kernel(num_kv_heads, head_dim, tl_dtype, period=compression_rate)] + [
+                    htree_layer16_kernel(*shape, tl_dtype, middle=middle, min_blocks=self.config["min_blocks0"])
+                    for middle in (False, True)]
+        self.pool, self.rope, self.top_lse, self.top_keys, self.top_merge, self.kernel, *layers = \
+            compile_kernels(*funcs)
+        if layered and dtype == torch.float32:
+            (self.layer0,) = layers
+        elif layered:
+            self.rope0, self.layer0, self.middle = layers
         self._tables = {}
         self._saved = None  # the differentiable forward's kernel variants (_saved_kernels)
 
@@ -223,17 +228,16 @@ class HTreeForwardTileLang(Op):
         if self._saved is None:
             tl_dtype, chunk = self.spec["dtype"], _TOP_CHUNK[self.dtype == torch.float32]
             walk = {key: value for key, value in self.config.items() if key in WALK_KEYS}
-            kernels = SimpleNamespace(
-                kernel=compile_kernel(htree_fwd_kernel(**self.spec, **walk, for_backward=True)),
-                top_merge=compile_kernel(htree_top_merge_kernel(
-                    self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim, self.scale, tl_dtype,
-                    block_n=chunk["merge"], for_backward=True)),
-                middle=None)
+            funcs = [htree_fwd_kernel(**self.spec, **walk, for_backward=True),
+                     htree_top_merge_kernel(self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim,
+                                            self.scale, tl_dtype, block_n=chunk["merge"], for_backward=True)]
             if self.middle is not None:
-                kernels.middle = compile_kernel(htree_layer16_kernel(
+                funcs.append(htree_layer16_kernel(
                     self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim, self.compression_rate,
                     self.top_k_per_layer, self.max_top_nodes, self.scale, tl_dtype, middle=True,
                     min_blocks=self.config["min_blocks0"], for_backward=True))
+            kernel, top_merge, *middle = compile_kernels(*funcs)
+            kernels = SimpleNamespace(kernel=kernel, top_merge=top_merge, middle=middle[0] if middle else None)
             self._saved = kernels
         return self._saved
 

@@ -103,12 +103,13 @@ def demo_cases(device: str) -> list[dict]:
 
 def dense_rope_sdpa(q, k, v, cos, sin):
     """Dense causal attention with RoPE at absolute positions (the rotation is part of the timed work);
-    k and v are expanded to the query heads so every SDPA backend (also fp32's) applies."""
+    k and v are expanded to the query heads so every SDPA backend (also fp32's) applies. Returns [B, T, H, V] like
+    ours."""
     T, G = q.shape[1], q.shape[2] // k.shape[2]
     qr = apply_rope(q, cos[:T, None].to(q.dtype), sin[:T, None].to(q.dtype)).transpose(1, 2)
     kr = apply_rope(k, cos[:T, None].to(k.dtype), sin[:T, None].to(k.dtype)).repeat_interleave(G, 2).transpose(1, 2)
     vr = v.repeat_interleave(G, 2).transpose(1, 2)
-    return F.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+    return F.scaled_dot_product_attention(qr, kr, vr, is_causal=True).transpose(1, 2)
 
 
 def _flops_bytes(T, H, Hkv, K, V, r, tk, mt, elem):
@@ -184,14 +185,18 @@ def _time_backward(b, fn, once):
     return _time_once(fn) if once else b.time(fn)
 
 
-def bench_backward(b):
+def bench_backward(b, only=None):
     """The backward's rows: ours (the backward alone, and forward + backward), the seed's Triton backward
-    (``o.backward(do)``, which includes its tree rebuild and selection recompute) and dense SDPA's backward (its
-    RoPE included), with the issue's targets."""
+    (``o.backward(do)``, which includes its tree rebuild and selection recompute; seconds per call, so one timed run
+    after a warm-up) and dense SDPA's backward (its RoPE included), with the issue's targets. ``only``: a subset of
+    the (tag, T) pairs, e.g. {("a", 120000), ("b", 32768)}."""
     seed = None if b.quick else _seed_backward()
     dev = "cuda"
     rows = [("a", torch.float32, 64, 4, 32, [8192 if b.quick else 120000])]
     rows.append(("b", torch.bfloat16, 32, 8, 128, [32768] if b.quick else [32768, 131072, 524288, 1048576]))
+    if only is not None:
+        rows = [(tag, *spec, [T for T in Ts if (tag, T) in only]) for tag, *spec, Ts in rows]
+        rows = [row for row in rows if row[-1]]
     for tag, dtype, H, Hkv, K, Ts in rows:
         fwd = HTreeForwardTileLang(H, Hkv, K, dtype=dtype)
         bwd = HTreeBackwardTileLang(H, Hkv, K, dtype=dtype)
@@ -220,7 +225,8 @@ def bench_backward(b):
             if seed is not None and (tag == "a" or T <= 131072):
                 qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
                 out = seed(qs, ks, vs, 16, 8192, 512)
-                seed_ms = b.time(lambda: out.backward(do, retain_graph=True))
+                out.backward(do, retain_graph=True)
+                seed_ms = _time_once(lambda: out.backward(do, retain_graph=True))
                 b.row("htree", wl, "seed Triton backward", seed_ms)
                 del qs, ks, vs, out
                 torch.cuda.empty_cache()

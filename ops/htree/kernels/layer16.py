@@ -326,8 +326,8 @@ def htree_layer16_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_hea
             if middle:
                 middle_lse(KRot, Cos, Sin, Scr, parents, (qx, qy, fc, fs, fk_x, fk_y, qa, kb, sc), (m_w, l_w, mx, al),
                            red, lse, b, ts, h, n, w, gr, tg)
-                middle_select(Scr, Par, N0, Sel, parents, (keys, chosen, chosen_pos, counts, hist, pick, tmp), prob, lse,
-                              b, t, ts, h, n, tx, layer, write_sel, thr)
+                middle_select(Scr, Par, N0, Sel, parents, (keys, chosen, chosen_pos, counts, hist, pick, tmp), prob,
+                              lse, b, t, ts, h, n, tx, layer, write_sel, thr)
             # (3) merge the non-winners (layer 0: everything) into the online softmax
             load_state(PartO, PartML, o_acc, m_w, l_w, b, ts, h, w, gr, tg)
             for it in T.serial(T.ceildiv(T.max(T.ceildiv(n, 16) - w, 0), 4)):
