@@ -170,6 +170,25 @@ def test_kernel_builds_are_logged(caplog):
     assert re.search(r"kernel tiny_copy for sm_90a ready in \d+\.\d s", caplog.text)
 
 
+@pytest.mark.compile
+def test_concurrent_builds_keep_their_order():
+    """compile_kernels builds concurrently and returns the kernels in the order of the functions given."""
+    import tilelang.language as T
+
+    def scaled_copy(factor):
+        @T.prim_func
+        def scaled(A: T.Tensor((64,), "float32"), B: T.Tensor((64,), "float32")):
+            with T.Kernel(1, threads=64) as _:
+                for i in T.Parallel(64):
+                    B[i] = A[i] * factor
+
+        return scaled
+
+    kernels = _runtime.compile_kernels(*(scaled_copy(f) for f in (2.0, 3.0, 5.0)))
+    sources = [k.get_kernel_source() for k in kernels]
+    assert len(sources) == 3 and all(f in src for f, src in zip(("2.0", "3.0", "5.0"), sources))
+
+
 def test_ops_does_not_import_the_references():
     """The runtime never depends on golden/ (the readable references): importing every op loads none of it."""
     code = "import sys, ops; print(sorted(m for m in sys.modules if m == 'golden' or m.startswith('golden.')))"
