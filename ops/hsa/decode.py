@@ -12,7 +12,7 @@ ties go to the smaller logical page. If that bin is crowded (many equal scores) 
 Decode is split-K: the items of a (request, kv head) are its selected pages then the pages holding its
 local tokens; split ``s`` of ``num_splits`` takes a contiguous range of items, so the grid is
 num_splits x kv heads x B and fills the GPU even at small batch (the split count comes from the batch
-size: whole waves of CTAs, ``schedule.num_splits``). The G query heads of a kv head are the M rows of one
+size, suited to the whole GPU and to one shared with another stream: ``schedule.num_splits``). The G query heads of a kv head are the M rows of one
 16-row mma tile (warps split the N of each product, so the padding costs little); each item is one
 physical page (K and V read as a page_size x head_dim box of k_buffer / v_buffer). Per item the page's own
 softmax is normalized and merged into the split's running (o, lse) with a merge logit: the page's lse in

@@ -36,16 +36,27 @@ def decode_ctas_per_sm(page_size: int, head_dim: int) -> int:
     return max(1, min(DECODE_CTAS_PER_SM, SMEM_PER_SM // (decode_smem(page_size, head_dim) + 1024)))
 
 
+# Fractions of the GPU another stream may hold while a decode runs (NCCL / DeepEP kernels take 16-40 of 132 SMs
+# during overlapped communication): the split count must suit each, not only the whole GPU.
+SHARED_FRACTIONS = (0.0, 16 / 132, 40 / 132)
+
+
 @functools.lru_cache(maxsize=None)
 def num_splits(rows: int, n_items: int, slots: int, overhead: int) -> int:
-    """Decode split count for ``rows`` (request, kv head) pairs of at most ``n_items`` items each, when
-    ``slots`` CTAs run at once: the one with the least (waves of CTAs) x (items per split + overhead),
-    ``overhead`` pricing a split's fixed work (query, selected ids, reprs and z before its first page)
-    in items; ties to fewer splits. A split holds at most ZCOLS items (its reprs fill the z tile).
-    At small batch this fills whole waves instead of leaving a short last one."""
-    def cost(s):
-        return -(-rows * s // slots) * (-(-n_items // s) + overhead)
-    return min(range(-(-n_items // ZCOLS), n_items + 1), key=lambda s: (cost(s), s))
+    """Decode split count for ``rows`` (request, kv head) pairs of at most ``n_items`` items each, when ``slots``
+    CTAs fit the whole GPU. A split count's cost with ``m`` slots free is (waves of CTAs) x (items per split +
+    ``overhead``), the overhead pricing a split's fixed work (query, selected ids, reprs and z before its first
+    page) in items. The count chosen is the one closest to the best on average over the GPU's shares in
+    SHARED_FRACTIONS (ties to fewer splits): a grid of exactly one wave of the whole GPU would take two when a few
+    SMs are held. A split holds at most ZCOLS items (its reprs fill the z tile)."""
+    counts = range(-(-n_items // ZCOLS), n_items + 1)
+    frees = [max(1, round(slots * (1 - held))) for held in SHARED_FRACTIONS]
+
+    def cost(s, free):
+        return -(-rows * s // free) * (-(-n_items // s) + overhead)
+
+    best = [min(cost(s, free) for s in counts) for free in frees]
+    return min(counts, key=lambda s: (sum(cost(s, free) / b for free, b in zip(frees, best)), s))
 
 
 def score_layout(num_kv_heads: int, head_dim: int, max_threads: int = 256) -> tuple[int, int]:

@@ -139,3 +139,22 @@ def bench(b):
     gen = torch.Generator().manual_seed(1)
     ragged = torch.randint(1, 131073, (32,), generator=gen).tolist()
     case("(c) B=32, ragged seq_lens 1..131072", ragged)
+
+
+def _shared_gpu_case(seq_lens):
+    """One decode step of the bench's batch, replayed as a CUDA graph (as engines run decode)."""
+    def make():
+        batch = paged_batch(seq_lens)
+        op = HSADecodeTileLang(**SPEC)
+        out = torch.empty_like(batch["q"])
+        op(**batch, out=out, validate=False)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            op(**batch, out=out, validate=False)
+        return graph.replay
+    return make
+
+
+# scripts/shared_gpu.py: the decode while another stream holds some SMs
+SHARED_GPU = {"hsa_decode (a) B=32 x 131072, CUDA graph": _shared_gpu_case([131072] * 32),
+              "hsa_decode (b) B=8 x 524288, CUDA graph": _shared_gpu_case([524288] * 8)}
