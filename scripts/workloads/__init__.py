@@ -7,6 +7,7 @@ the GPU for scripts/autotune.py."""
 
 import importlib
 import importlib.util
+import pathlib
 import pkgutil
 
 
@@ -23,6 +24,24 @@ def peer_module(path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def tilekernels_mhc():
+    """DeepSeek TileKernels' mHC functions (``tile_kernels.modeling.mhc.functional``) from a copy of its repository
+    in ``.peers/TileKernels`` (not ours to ship), or None. Only the mHC modules are imported: the package's own
+    ``__init__`` pulls in kernels written for other TileLang versions."""
+    import sys
+    import types
+
+    root = pathlib.Path(__file__).resolve().parents[2] / ".peers" / "TileKernels" / "tile_kernels"
+    if not (root / "modeling" / "mhc" / "functional.py").is_file():
+        return None
+    for name, path in (("tile_kernels", root), ("tile_kernels.modeling", root / "modeling")):
+        if name not in sys.modules:
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [str(path)]
+            sys.modules[name] = pkg
+    return importlib.import_module("tile_kernels.modeling.mhc.functional")
 
 
 def names():
