@@ -134,9 +134,19 @@ def test_golden_aux_outputs():
     (dict(config={"block_x": 1}), ValueError, "unknown keys"),
     (dict(config={"block_k": 96}), ValueError, r"config\['block_k'\]: expected a multiple of 64"),
     (dict(config={"block_t": 32}), ValueError, r"config\['block_t'\]: expected >= 64"),
-    (dict(D=4096, config={"block_t": 64}), ValueError, "unknown keys"),  # the single-pass kernel's keys
-    (dict(D=4096, config={"x_slots": 15}), ValueError, r"config\['x_slots'\]: expected >= 16"),
-    (dict(D=4096, config={"x_slots": 20, "phi_stages": 8}), ValueError, "bytes of shared memory"),
+    (dict(D=4096, config={"x_slots": 17}), ValueError, "unknown keys"),  # the default path: the two kernels
+    (dict(D=4096, single_pass=True, config={"block_t": 64}), ValueError, "unknown keys"),  # the single pass's keys
+    (dict(D=4096, single_pass=True, config={"x_slots": 15}), ValueError, r"config\['x_slots'\]: expected >= 16"),
+    (dict(D=4096, single_pass=True, config={"x_slots": 20, "phi_stages": 8}), ValueError, "bytes of shared memory"),
+    (dict(D=7168, single_pass=True), ValueError, "single_pass: expected False for n=4, D=7168"),
+    (dict(single_pass=1), TypeError, "single_pass: expected a bool"),
+    (dict(D=4096, single_pass=True, num_sms=15), ValueError, "num_sms: expected >= 16 with single_pass=True"),
+    (dict(num_sms=0), ValueError, "num_sms: expected >= 1"),
+    (dict(num_sms=10_000), ValueError, "num_sms: expected <= "),
+    (dict(num_sms=64.0), TypeError, "num_sms: expected an int"),
+    (dict(D=4096, config={"splits": 3}), ValueError, r"config\['splits'\]: expected a divisor of the 128 column chunks"),
+    (dict(config={"splits": 0}), ValueError, r"config\['splits'\]: expected >= 1"),
+    (dict(n=1, D=520, config={"splits": 3}), ValueError, "leaving each split at least num_stages=3"),
     (dict(n=8, config={"num_stages": 4}), ValueError, "bytes of shared memory"),  # 80 phi rows per stage
     (dict(sinkhorn_iters=-1), ValueError, "sinkhorn_iters: expected >= 0"),
     (dict(sinkhorn_iters=101), ValueError, "sinkhorn_iters: expected <= 100"),
@@ -182,10 +192,11 @@ def test_call_validation(small_op):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("n,D", [(4, 4096), (4, 7168), (2, 520)])
-def test_compiles_for_sm90a(n, D):
-    op = MHCForwardPreTileLang(2, 8, n, D)
-    assert (op._fused is not None) == fused_fits(n, D) == (D == 4096)  # both kernel families are built
+@pytest.mark.parametrize("n,D,single_pass", [(4, 4096, False), (4, 4096, True), (4, 7168, False), (2, 520, False)])
+def test_compiles_for_sm90a(n, D, single_pass):
+    """The default path is the two kernels everywhere; the single pass only on request (where it fits)."""
+    op = MHCForwardPreTileLang(2, 8, n, D, single_pass=single_pass)
+    assert (op._fused is not None) == single_pass and fused_fits(n, D) == (D == 4096)
     src = (op._mix if op._fused is None else op._fused).get_kernel_source()
     if _runtime.target()["arch"].startswith("sm_90"):
         assert "wgmma" in src, "expected Hopper tensor-core MMA"
@@ -195,6 +206,17 @@ def test_compiles_for_sm90a(n, D):
         if op._fused is not None:  # the side kernel starts behind the single pass's trigger
             assert "cudaTriggerProgrammaticLaunchCompletion" in src
             assert "cudaGridDependencySynchronize" in op._side.get_kernel_source()
+
+
+@pytest.mark.compile
+def test_split_mix_compiles_for_sm90a():
+    """The mix kernel with its K split over 4 CTAs per tile: partials out, the tile's last CTA sums them (a count
+    per tile) and runs the epilogue; one split builds none of that."""
+    op = MHCForwardPreTileLang(2, 8, 4, 4096, config={"splits": 4})
+    src = op._mix.get_kernel_source().split("__global__")[-1]
+    assert "mhc_last_split(" in src and "mhc_ld_cg(" in src
+    one = MHCForwardPreTileLang(2, 8, 4, 4096)._mix.get_kernel_source()
+    assert "mhc_last_split(" not in one.split("__global__")[-1]
 
 
 @pytest.mark.compile
@@ -242,7 +264,8 @@ def test_mix_config_space_fits_shared_memory():
     from ops.mhc.tiling import mix_smem_bytes
     space = MHCForwardPreTileLang.config_space({"n": 8, "D": 1024})
     assert space and all(mix_smem_bytes(8, **c) <= _SMEM_BUDGET for c in space)
-    assert dict(block_t=128, block_k=128, num_stages=4, threads=256) not in space
+    assert dict(block_t=128, block_k=128, num_stages=4, threads=256, splits=1) not in space
+    assert dict(block_t=128, block_k=128, num_stages=3, threads=256, splits=4) in space
     assert mix_smem_bytes(8, 128, 128, 3) == 221184  # TileLang's allocation for that kernel
 
 
@@ -258,19 +281,23 @@ def test_side_tokens_whole_rounds_that_end_with_the_single_pass():
 
 
 def test_protocol():
-    """The op class follows ops.common.protocol: the tunable kernel is the single pass where it runs, else
-    the mix kernel; every offered config has the default's keys; the bench shapes are warm specs."""
+    """The op class follows ops.common.protocol: the tunable kernel is the mix kernel (the default path's; the
+    opt-in single pass is not tuned); every offered config has the default's keys; the bench shapes are warm
+    specs."""
     from ops.common.protocol import Op, op_class
-    from ops.mhc.kernels.fwd_fused import mhc_pre_fused_kernel
     from ops.mhc.kernels.fwd_mix import mhc_pre_mix_kernel
+    from ops.mhc.tiling import forward_config_space, forward_default_config
 
     cls = MHCForwardPreTileLang
     assert issubclass(cls, Op) and op_class("mhc_pre") is cls
-    for D, builder in ((4096, mhc_pre_fused_kernel), (7168, mhc_pre_mix_kernel)):
+    for D in (4096, 7168):
         spec = {"n": 4, "D": D, "rms_eps": 1e-6, "hc_eps": 1e-6}
-        assert cls.tunable_kernel(spec) is builder
+        assert cls.tunable_kernel(spec) is mhc_pre_mix_kernel
         space = cls.config_space(spec)
         assert space and all(set(c) == set(cls.default_config(spec)) for c in space)
+    single = forward_config_space(4, 4096, single_pass=True)
+    assert single and all(set(c) == set(forward_default_config(4, 4096, True)) == {"x_slots", "phi_stages"}
+                          for c in single)
     assert {(s["n"], s["D"]) for s in cls.warm_specs} == {(4, 4096), (4, 7168)}
 
 
@@ -361,11 +388,14 @@ def test_disk_cache_hit_in_fresh_process(tmp_path):
 @pytest.mark.parametrize("n,D", [(1, 1032), (1, 16384), (2, 520), (2, 8192), (4, 2048), (4, 4096), (4, 7168),
                                  (8, 1024)])
 @pytest.mark.parametrize("shape", [(1, 1), (1, 3), (2, 500), (4, 4096), (3, 5001)])
-def test_compiled_matches_golden(n, D, shape, poisoned):
-    """Both kernel families: (1, 16384), (2, 8192), (4, 2048) and (4, 4096) run the single-pass kernel
-    (4 x 4096 tokens is many tiles per persistent cluster), the others the two kernels. From 4 x 4096
-    tokens the side kernel takes the last ones; with 3 x 5001 the single pass ends mid-tile there."""
-    op = MHCForwardPreTileLang(*shape, n, D)
+@pytest.mark.parametrize("single_pass", [False, True])
+def test_compiled_matches_golden(n, D, shape, single_pass, poisoned):
+    """Both kernel families: the two kernels everywhere, and on request the single pass where it fits ((1, 16384),
+    (2, 8192), (4, 2048), (4, 4096); 4 x 4096 tokens is many tiles per persistent cluster). From 4 x 4096 tokens
+    the side kernel takes the last ones; with 3 x 5001 the single pass ends mid-tile there."""
+    if single_pass and not fused_fits(n, D):
+        pytest.skip("the single pass does not fit this shape")
+    op = MHCForwardPreTileLang(*shape, n, D, single_pass=single_pass)
     x, phi, alpha, bias = random_inputs(*shape, n, D, device="cuda")
     ref = mhc_forward_pre(x.double(), phi.double(), alpha.double(), bias.double(), return_aux=True)
     for _ in range(2):  # the second run reuses workspace and counters
@@ -378,8 +408,9 @@ def test_compiled_matches_golden(n, D, shape, poisoned):
 
 
 @pytest.mark.gpu
-def test_tokens_dynamic_and_deterministic():
-    op = MHCForwardPreTileLang(1, 1, 4, 4096)
+@pytest.mark.parametrize("single_pass", [False, True])
+def test_tokens_dynamic_and_deterministic(single_pass):
+    op = MHCForwardPreTileLang(1, 1, 4, 4096, single_pass=single_pass)
     for shape in ((1, 7), (3, 1000)):
         x, phi, alpha, bias = random_inputs(*shape, 4, 4096, device="cuda")
         a = op(x, phi, alpha, bias)
@@ -446,8 +477,8 @@ def check_against_golden(op, x, phi, alpha, bias, sinkhorn_iters, poisoned):
 @pytest.mark.parametrize("n,D", [(1, 1032), (2, 520), (4, 1024), (4, 4096), (6, 520), (8, 1024)])
 @pytest.mark.parametrize("lead", [(), (1,), (3, 333), (2, 5, 7)])
 def test_sinkhorn_matches_golden(n, D, lead, sinkhorn_iters, poisoned):
-    """h_res as comb for n = 1..8 (n = 4, D = 4096: the single pass, else the two kernels), any leading
-    dimensions of x (none: one token), odd token counts; every output against the float64 golden."""
+    """h_res as comb for n = 1..8 (the two kernels), any leading dimensions of x (none: one token), odd token
+    counts; every output against the float64 golden."""
     x, phi, alpha, bias = random_inputs(1, math.prod(lead), n, D, device="cuda")
     check_against_golden(sinkhorn_op(n, D, sinkhorn_iters), x.view(*lead, n, D), phi, alpha, bias,
                          sinkhorn_iters, poisoned)
@@ -456,10 +487,52 @@ def test_sinkhorn_matches_golden(n, D, lead, sinkhorn_iters, poisoned):
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [4096, 7168])
 def test_sinkhorn_bench_shape(D, poisoned):
-    """16384 tokens at the bench shapes: at D = 4096 the single pass and its side kernel both wrote the logits
-    the Sinkhorn kernel turns into comb."""
+    """16384 tokens at the bench shapes, and at D = 4096 the opt-in single pass, whose side kernel also wrote
+    logits the Sinkhorn kernel turns into comb."""
     x, phi, alpha, bias = random_inputs(4, 4096, 4, D, device="cuda")
     check_against_golden(sinkhorn_op(4, D, 20), x, phi, alpha, bias, 20, poisoned)
+    if D == 4096:
+        op = MHCForwardPreTileLang(1, 1, 4, D, sinkhorn_iters=20, single_pass=True)
+        check_against_golden(op, x, phi, alpha, bias, 20, poisoned)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,D,splits", [(4, 4096, 2), (4, 4096, 4), (4, 7168, 4), (1, 520, 2), (8, 1024, 2)])
+@pytest.mark.parametrize("lead", [(1,), (3, 333), (4, 4096)])
+def test_split_mix_matches_golden(n, D, splits, lead, poisoned):
+    """The mix kernel's K split over CTAs (the last of a tile's CTAs sums the partials): against the golden, bitwise
+    reproducible (check_against_golden runs it twice), with and without Sinkhorn."""
+    x, phi, alpha, bias = random_inputs(1, math.prod(lead), n, D, device="cuda")
+    for iters in (0, 20):
+        op = MHCForwardPreTileLang(1, 1, n, D, sinkhorn_iters=iters, config={"splits": splits})
+        check_against_golden(op, x.view(*lead, n, D), phi, alpha, bias, iters, poisoned)
+
+
+@pytest.mark.gpu
+def test_split_mix_relaunch_on_the_same_buffers():
+    """The tile's last CTA zeroes its count: the mix kernel launched again on the same arguments (a timing loop,
+    tune_args) runs every epilogue again."""
+    op = MHCForwardPreTileLang(1, 1, 4, 1024, config={"splits": 4})
+    x, phi, alpha, bias = random_inputs(1, 1000, 4, 1024, device="cuda")
+    args = op.tune_args(x, phi, alpha, bias)
+    op._mix(*args)
+    first = [t.clone() for t in args[5:10]]  # h_post, h_res, inv_rms, h_pre, h_mix
+    assert int(args[-1].abs().sum()) == 0, "counts not zeroed"
+    for t in args[5:10]:
+        t.fill_(float("nan"))
+    op._mix(*args)
+    assert all(torch.equal(a, b) for a, b in zip(first, args[5:10]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_sms", [16, 64, 100])
+def test_single_pass_within_sm_budget(num_sms, poisoned):
+    """The single pass with an SM budget: 1 or 4 clusters and no side kernel (16, 64), 6 clusters and a side
+    kernel on the 4 SMs they leave (100: a round of 4 tiles at 16384 tokens)."""
+    x, phi, alpha, bias = random_inputs(4, 4096, 4, 4096, device="cuda")
+    op = MHCForwardPreTileLang(1, 1, 4, 4096, num_sms=num_sms, single_pass=True)
+    assert op._kernel_args(x, phi, alpha, bias, op._outputs(x))[-1] <= num_sms // 16
+    check_against_golden(op, x, phi, alpha, bias, 0, poisoned)
 
 
 @pytest.mark.gpu

@@ -130,11 +130,41 @@ def test_closed_form_float32_inputs():
     (dict(sinkhorn_iters=False), TypeError, "sinkhorn_iters: expected an int"),
     (dict(hc_eps=-1.0), ValueError, "hc_eps: expected >= 0"),
     (dict(hc_eps="1e-6"), TypeError, "hc_eps: expected a float"),
+    (dict(num_sms=0), ValueError, "num_sms: expected >= 1"),
+    (dict(num_sms=10_000), ValueError, "num_sms: expected <= "),
+    (dict(num_sms=True), TypeError, "num_sms: expected an int"),
+    (dict(D=4096, num_sms=100, config={"token_groups": 2}), ValueError,
+     r"token_groups'\]: expected <= 1 for D=4096 \(the one pass's persistent grid within 100 SMs\)"),
 ])
 def test_constructor_validation(kwargs, err, match):
     args = {**dict(B=1, S=4, n=4, D=64), **kwargs}
     with pytest.raises(err, match=match):
         MHCBackwardPreTileLang(**args)
+
+
+def test_sm_budget_bounds_the_one_pass():
+    """num_sms bounds the one pass's grid (a CTA per 64-column slice and token group); below one token group the
+    two kernels run; the default config follows the budget."""
+    from ops.mhc.tiling import backward_config_space, backward_default_config, one_pass
+
+    assert backward_default_config(4, 4096)["token_groups"] == 2  # 64 slices on 132 SMs
+    assert backward_default_config(4, 4096, 100)["token_groups"] == 1
+    assert backward_default_config(4, 1024, 100)["token_groups"] == 6
+    assert one_pass(4, 7168) and not one_pass(4, 7168, 100)  # 112 slices
+    assert backward_default_config(4, 7168, 100) == {"block_t": 64, "block_d": 64, "token_groups": 4,
+                                                     "num_stages": 1}  # the two kernels' config
+    assert all(c["token_groups"] == 1 and c["num_stages"] >= 2 for c in backward_config_space(4, 4096, 100))
+    assert min(c["num_stages"] for c in backward_config_space(4, 7168, 100)) == 1  # the two kernels: 1 stage ok
+
+
+@pytest.mark.compile
+def test_sm_budget_picks_the_kernels():
+    """With 100 SMs: D = 4096 keeps the one pass with one token group, D = 8192 (128 slices) runs the two
+    kernels."""
+    one = MHCBackwardPreTileLang(1, 4, 4, 4096, num_sms=100)
+    assert one._one and one.config["token_groups"] == 1 and not one._stats
+    two = MHCBackwardPreTileLang(1, 4, 2, 8192, num_sms=100)
+    assert not two._one and set(two._stats) == {ALL}
 
 
 @pytest.mark.parametrize("n", [1, 4, 6])
@@ -397,6 +427,41 @@ def test_matches_golden_two_kernels_n_le_4(poisoned):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,D,num_sms", [(4, 4096, 64), (4, 1024, 20), (2, 8192, 100), (4, 520, 9)])
+def test_matches_golden_within_sm_budget(poisoned, n, D, num_sms):
+    """The one pass on a budget: one token group of 64 CTAs at D = 4096, one of 16 at D = 1024 (6 tiles of 1000
+    tokens per CTA); with 128 slices over a budget of 100 the two kernels; 9 slices on 9 SMs."""
+    inputs, grads = make_inputs(1, 1000, n, D, device="cuda")
+    aux = mhc_forward_pre(*inputs, return_aux=True)[3:]
+    op = MHCBackwardPreTileLang(1, 1, n, D, num_sms=num_sms)
+    with poisoned():
+        got = op(*inputs, *aux, *grads)
+    assert_close(got, mhc_backward_pre_autograd(*inputs, *grads))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("present", [ALL, (False, True, True)])
+def test_one_pass_relaunch_on_the_same_buffers(present):
+    """The one pass zeroes its counters in its last CTA: launched again on the same arguments (as a timing loop
+    does, tune_args) it redoes the whole work and writes the same bits (poisoned outputs rewritten)."""
+    inputs, grads = make_inputs(2, 777, 4, 1024, device="cuda", present=present)
+    aux = mhc_forward_pre(*inputs, return_aux=True)[3:]
+    op = gpu_op(4, 1024)
+    args = op.tune_args(*inputs, *aux, *grads)
+    kernel = op._kernels(*present)[1]
+    kernel(*args)
+    first = [t.clone() for t in args[-5:]]  # ready, claim (the counters), terms, grad_x, part_phi_t
+    assert int(args[-5].abs().sum()) == 0 and int(args[-4].abs().sum()) == 0, "counters not zeroed at the end"
+    for t in (args[11], args[12], args[-3], args[-2], args[-1]):  # g_mix, coef, terms, grad_x, part_phi_t
+        t.fill_(float("nan"))
+    kernel(*args)
+    for a, b in zip(first, args[-5:]):
+        assert torch.equal(a, b)
+    for t in (args[11], args[12]):
+        assert not torch.isnan(t.float()).any()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("present", PARTIAL)
 def test_absent_gradients(poisoned, present):
     got, ref = run_both(3, 333, 2, 520, present, poisoned)
@@ -416,7 +481,7 @@ def test_deterministic():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,D", [(4, 1024), (2, 520), (4, 4096)])  # (4, 4096): the single-pass forward
+@pytest.mark.parametrize("n,D", [(4, 1024), (2, 520), (4, 4096)])  # (4, 4096): the bench shape
 def test_mhc_pre_end_to_end(poisoned, n, D):
     inputs, grads = make_inputs(2, 500, n, D, device="cuda")
     leaves = [t.clone().requires_grad_() for t in inputs]
@@ -433,7 +498,7 @@ def test_mhc_pre_end_to_end(poisoned, n, D):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,D", [(4, 4096), (2, 520)])  # the forward's single pass, its two kernels
+@pytest.mark.parametrize("n,D", [(4, 4096), (2, 520)])  # the backward's one pass at two widths
 def test_mhc_pre_torch_compile(n, D):
     """torch.compile(fullgraph=True) over a training step's forward and backward through mhc_pre: no graph
     break, the eager op's outputs and (within rounding of the loss's own gradients) its gradients."""
@@ -526,7 +591,7 @@ def test_sinkhorn_deterministic():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sinkhorn_iters", [1, 20])
-@pytest.mark.parametrize("n,D", [(4, 4096), (2, 520), (8, 1024)])  # (4, 4096): the single-pass forward
+@pytest.mark.parametrize("n,D", [(4, 4096), (2, 520), (8, 1024)])  # (8, 1024): the two-kernel backward
 def test_mhc_pre_sinkhorn_end_to_end(poisoned, n, D, sinkhorn_iters):
     """mhc_pre(..., sinkhorn_iters) forward and loss.backward() against the golden's autograd (float64), every
     output used, x with three leading dimensions; a second step bitwise equal."""

@@ -1,23 +1,24 @@
 """mHC pre forward (`MHCForwardPreTileLang`); its kernels are in ops/mhc/kernels, the design in
 docs/design/mhc.md.
 
-Single pass (`mhc_pre_fused`, shapes where `fused_fits`): x is read from memory once. A cluster of 16
-CTAs owns a tile of 64 tokens, each CTA D / 16 columns of every stream. A producer warpgroup streams
-the CTA's x chunks by TMA into a ring that holds the whole share (plus slack for the next tile) and
-phi's chunks (from L2) into a shallower ring; the consumer warpgroup accumulates its partial h_mix =
-x @ phi^T on bf16 tensor cores (phi split into bf16 hi + lo parts: ~16 mantissa bits, more than TF32)
-and the sum of squares, exchanges partials with the other 15 CTAs through distributed shared memory
-(a reduce-scatter, then an all-gather of h_pre), and writes h_in = sum_i h_pre[i] * x[i, :] from the
-chunks still in shared memory. Clusters are persistent, as many as the GPU holds at once. That leaves SMs
-idle (20 of an H100's or H200's 132: 7 clusters of 16 fit), so at large token counts the last tokens
-(`side_tokens`) go to a side kernel (`mhc_pre_mix` with `apply`: one CTA per 128-token tile, x read twice)
-on those SMs. It is launched right behind the single pass, which lets it start at once (programmatic
-dependent launch: the single pass triggers at its start).
-
-Two kernels (other shapes; x is read twice):
+Two kernels (the default; x is read twice), neither persistent nor waiting on another CTA, so the op runs on
+whatever SMs another stream leaves it:
 1. `mhc_pre_mix`: per tile of `block_t` tokens, the full n*D reduction, pipelined over K, with the sum
    of squares from the same tiles; its epilogue writes h_pre, h_post, h_res and inv_rms.
 2. `mhc_pre_apply`: h_in = sum_i h_pre[i] * x[i, :], a bandwidth-bound pass.
+
+Single pass (`mhc_pre_fused`, opt-in with ``single_pass=True``, shapes where `fused_fits`): x is read from
+memory once. A cluster of 16 CTAs owns a tile of 64 tokens, each CTA D / 16 columns of every stream. A
+producer warpgroup streams the CTA's x chunks by TMA into a ring that holds the whole share (plus slack for
+the next tile) and phi's chunks (from L2) into a shallower ring; the consumer warpgroup accumulates its
+partial h_mix = x @ phi^T on bf16 tensor cores (phi split into bf16 hi + lo parts: ~16 mantissa bits, more
+than TF32) and the sum of squares, exchanges partials with the other 15 CTAs through distributed shared
+memory (a reduce-scatter, then an all-gather of h_pre), and writes h_in = sum_i h_pre[i] * x[i, :] from the
+chunks still in shared memory. Clusters are persistent, as many as the SM budget holds at once; the SMs no
+cluster takes run the last tokens (`side_tokens`) in a side kernel (`mhc_pre_mix` with `apply`), launched
+right behind (programmatic dependent launch: the single pass triggers at its start). It is not the default
+because a 16-CTA cluster needs 16 free SMs in one GPC: while another stream's kernel holds SMs spread over
+the GPCs (40 of 132 on an H200), no cluster can start and the op waits for that kernel to end.
 
 With `sinkhorn_iters` >= 1 a small kernel (`mhc_pre_sinkhorn`, one thread per token) then turns the h_res
 logits into their Sinkhorn projection comb, in place.
@@ -28,14 +29,14 @@ import torch
 from ..common.hw import SMEM_BUDGET
 from ..common.protocol import Op
 from ..common.runtime import compile_kernel, max_active_clusters, resolve_config, sm_count
-from ..common.validate import check_choice, check_float, check_int, check_tensor
+from ..common.validate import check_bool, check_choice, check_float, check_int, check_tensor
 from .kernels.fwd_fused import mhc_pre_fused_kernel
 from .kernels.fwd_mix import mhc_pre_apply_kernel, mhc_pre_mix_kernel
 from .kernels.phi_split import mhc_phi_split_kernel
 from .kernels.sinkhorn import mhc_pre_sinkhorn_kernel
-from .tiling import (_CLUSTER, _D_PAD, _SIDE_CONFIG, SINKHORN_MAX_ITERS, _round_up, _thread_choices,
+from .tiling import (_CLUSTER, _D_PAD, _SIDE_CONFIG, SINKHORN_MAX_ITERS, _round_up, _thread_choices, check_num_sms,
                      forward_config_space, forward_default_config, fused_chunks, fused_fits, fused_smem_bytes,
-                     mix_smem_bytes, phi_split_rows, side_tokens)
+                     mix_chunks, mix_smem_bytes, phi_split_rows, side_tokens)
 
 
 def check_x(x, n: int | None = None, D: int | None = None) -> None:
@@ -64,9 +65,14 @@ class MHCForwardPreTileLang(Op):
     construction. h_res [..., n, n] is the raw logits, or with ``sinkhorn_iters`` >= 1 their Sinkhorn
     projection comb (DeepSeek-V4 runs 20). ``return_aux=True`` also returns inv_rms [...], h_pre [..., n] and
     h_mix [..., n*n+2n] (x @ phi^T before the inv_rms scale; fp32), which the backward needs. The matmul runs
-    on bf16 tensor cores with phi split into hi + lo bf16 parts. Shapes where the single pass measured
-    faster (`fused_fits`) run it (with the side kernel beside it at large token counts); the others run
-    the two kernels. The config keys differ accordingly (`default_config`).
+    on bf16 tensor cores with phi split into hi + lo parts. The default path is the two kernels (nothing
+    persistent: it keeps running at its share when another stream holds SMs). ``single_pass=True`` (only where
+    `fused_fits`: D a multiple of 1024 with n*D >= 8192 and its ring fitting, e.g. n = 4, D = 2048 or 4096)
+    runs the cluster single pass instead: up to 1.6x faster on a GPU that no other stream shares (4096
+    tokens; 8% at 16384), but it waits for any kernel that holds SMs in every GPC (module docstring); its
+    config keys are ``x_slots`` and ``phi_stages``. ``num_sms`` (default None: the whole GPU) bounds its
+    persistent clusters and side kernel, for callers that keep SMs for communication; the two kernels have no
+    persistent grid and need no budget.
     """
 
     op_name = "mhc_pre"
@@ -83,11 +89,12 @@ class MHCForwardPreTileLang(Op):
 
     @classmethod
     def tunable_kernel(cls, spec: dict):
-        """The single pass where it runs (`fused_fits`), else the mix kernel."""
-        return mhc_pre_fused_kernel if fused_fits(spec["n"], spec["D"]) else mhc_pre_mix_kernel
+        """The mix kernel (the default path's; the opt-in single pass is not autotuned)."""
+        return mhc_pre_mix_kernel
 
     def __init__(self, B: int, S: int, n: int, D: int, rms_eps: float = 1e-6, hc_eps: float = 1e-6,
-                 sinkhorn_iters: int = 0, config: dict | None = None):
+                 sinkhorn_iters: int = 0, config: dict | None = None, *, num_sms: int | None = None,
+                 single_pass: bool = False):
         check_int("B", B, lo=1)
         check_int("S", S, lo=1)
         check_int("n", n, lo=1, hi=8)
@@ -95,12 +102,19 @@ class MHCForwardPreTileLang(Op):
         rms_eps = check_float("rms_eps", rms_eps, lo=0)
         hc_eps = check_float("hc_eps", hc_eps, lo=0)
         check_sinkhorn_iters(sinkhorn_iters)
+        self.num_sms = check_num_sms(num_sms)
+        check_bool("single_pass", single_pass)
+        if single_pass and not fused_fits(n, D):
+            raise ValueError(f"single_pass: expected False for n={n}, D={D} (the single pass needs D a multiple of "
+                             f"{_CLUSTER * 64}, n*D >= 8192 and its ring in shared memory), got True")
+        if single_pass and self.num_sms < _CLUSTER:
+            raise ValueError(f"num_sms: expected >= {_CLUSTER} with single_pass=True (one {_CLUSTER}-CTA cluster), "
+                             f"got {self.num_sms}")
         self.n, self.D, self.sinkhorn_iters = n, D, sinkhorn_iters
         # sinkhorn_iters is not part of the spec: it changes neither the tunable kernel nor its config.
         self.spec = {"n": n, "D": D, "rms_eps": rms_eps, "hc_eps": hc_eps}
-        self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
-        fused = fused_fits(n, D)
-        if fused:
+        self.config = resolve_config(self.op_name, self.spec, config, forward_default_config(n, D, single_pass))
+        if single_pass:
             check_int("config['x_slots']", self.config["x_slots"], lo=fused_chunks(n, D))
             check_int("config['phi_stages']", self.config["phi_stages"], lo=2)
             smem = fused_smem_bytes(n, **self.config)
@@ -109,14 +123,21 @@ class MHCForwardPreTileLang(Op):
             check_int("config['block_k']", self.config["block_k"], lo=64, hi=_D_PAD, multiple_of=64)
             check_int("config['num_stages']", self.config["num_stages"], lo=1, hi=4)
             check_choice("config['threads']", self.config["threads"], _thread_choices(self.config["block_t"]))
+            chunks = mix_chunks(n, D, self.config["block_k"])
+            check_int("config['splits']", self.config["splits"], lo=1, hi=16)
+            splits = self.config["splits"]
+            if chunks % splits or (splits > 1 and chunks // splits < self.config["num_stages"]):
+                raise ValueError(f"config['splits']: expected a divisor of the {chunks} column chunks of n={n}, D={D} "
+                                 f"(block_k={self.config['block_k']}) leaving each split at least num_stages="
+                                 f"{self.config['num_stages']} of them, got {splits}")
             smem = mix_smem_bytes(n, **self.config)
         if smem > SMEM_BUDGET:
             raise ValueError(f"config: expected a config within {SMEM_BUDGET} bytes of shared memory, "
                              f"got {self.config} needing {smem}")
         self._split = compile_kernel(mhc_phi_split_kernel(n, D))
-        self._phi_parts = {}
+        self._phi_parts, self._no_splits = {}, {}
         self._fused = self._mix = self._apply = self._side = None
-        if fused:
+        if single_pass:
             self._fused = compile_kernel(mhc_pre_fused_kernel(**self.spec, **self.config))
             self._side = compile_kernel(mhc_pre_mix_kernel(**self.spec, **_SIDE_CONFIG, apply=True))
         else:
@@ -152,25 +173,42 @@ class MHCForwardPreTileLang(Op):
                 torch.empty(tokens, n * n, **f32), torch.empty(tokens, **f32), torch.empty(tokens, n, **f32),
                 torch.empty(tokens, n * n + 2 * n, **f32))
 
+    def _split_workspace(self, tokens: int, device, block_t: int, splits: int):
+        """A mix kernel's partials [tiles, splits, block_t, NG + 1] and per-tile counts with `splits` > 1, else
+        one-tile stand-ins it never touches."""
+        rows = phi_split_rows(self.n) + 1
+        if splits == 1:
+            if (device, block_t) not in self._no_splits:
+                self._no_splits[device, block_t] = (torch.empty(1, 1, block_t, rows, device=device),
+                                                    torch.zeros(1, device=device, dtype=torch.int32))
+            return self._no_splits[device, block_t]
+        tiles = -(-tokens // block_t)
+        return (torch.empty(tiles, splits, block_t, rows, device=device),
+                torch.zeros(tiles, device=device, dtype=torch.int32))
+
     def _kernel_args(self, x, phi, alpha, bias, outs):
         """Arguments of the tunable kernel: the fused kernel takes all outputs and the cluster count, the mix
-        kernel all outputs with h_in last (it writes h_in only as the side kernel)."""
+        kernel all outputs with h_in last (it writes h_in only as the side kernel), then its split workspace."""
         head = (x.view(outs[0].shape[0], *x.shape[-2:]), *self._split_phi(phi), alpha, bias)
         if self._fused is None:
-            return head + outs[1:] + outs[:1]
-        # One CTA per SM whatever its shared memory: 256 threads of up to 240 registers fill the file.
-        return head + outs + (max_active_clusters(_CLUSTER, 256, SMEM_BUDGET, x.device.index),)
+            return head + outs[1:] + outs[:1] + self._split_workspace(
+                outs[0].shape[0], x.device, self.config["block_t"], self.config["splits"])
+        # One CTA per SM whatever its shared memory: 256 threads of up to 240 registers fill the file. As many
+        # clusters as the GPU holds, within the SM budget.
+        clusters = min(max_active_clusters(_CLUSTER, 256, SMEM_BUDGET, x.device.index), self.num_sms // _CLUSTER)
+        return head + outs + (clusters,)
 
     def _launch_fused(self, x2, hi, lo, alpha, bias, *outs_and_clusters):
         """The single pass over the first tokens and the side kernel over the last ones (`side_tokens`), on
-        the SMs that no cluster takes."""
+        the SMs of the budget that no cluster takes."""
         *outs, clusters = outs_and_clusters
         tokens = x2.shape[0]
-        side = side_tokens(tokens, sm_count(x2.device) - _CLUSTER * clusters)
+        side = side_tokens(tokens, min(self.num_sms, sm_count(x2.device)) - _CLUSTER * clusters)
         m = tokens - side
         self._fused(x2[:m], hi, lo, alpha, bias, *(o[:m] for o in outs), clusters)
         if side:  # the mix kernel's order: h_in last
-            self._side(x2[m:], hi, lo, alpha, bias, *(o[m:] for o in outs[1:]), outs[0][m:])
+            self._side(x2[m:], hi, lo, alpha, bias, *(o[m:] for o in outs[1:]), outs[0][m:],
+                       *self._split_workspace(side, x2.device, _SIDE_CONFIG["block_t"], 1))
 
     def tune_args(self, x, phi, alpha, bias):
         """Arguments of the tunable kernel (``tunable_kernel``) for these inputs."""

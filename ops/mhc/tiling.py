@@ -4,6 +4,7 @@ The designs and the measurements behind the constants: docs/design/mhc.md."""
 
 from ..common.hw import SMEM_BUDGET, SMEM_LIMIT
 from ..common.runtime import sm_count
+from ..common.validate import check_int
 
 
 def _round_up(v: int, m: int) -> int:
@@ -22,7 +23,9 @@ def phi_split_rows(n: int) -> int:
 
 # ----------------------------------------------------------------------------- forward, two kernels
 _SIDE_D = 64  # columns per h_in chunk of the side kernel
-_MIX_CONFIG = {"block_t": 128, "block_k": 128, "num_stages": 3, "threads": 256}  # measured best (H200)
+# Measured best (H200) with one split; more splits (the K columns over that many CTAs per token tile) make the grid
+# several waves for a GPU shared with another stream or a small token count (not measured yet).
+_MIX_CONFIG = {"block_t": 128, "block_k": 128, "num_stages": 3, "threads": 256, "splits": 1}
 # The side kernel is not the critical path: a shallower ring leaves more bandwidth to the single pass.
 _SIDE_CONFIG = dict(_MIX_CONFIG, num_stages=2)
 _SIDE_ROUND_COST = 11650  # tokens of the single pass as long as one side tile (x read twice) on an idle SM
@@ -31,6 +34,11 @@ _SIDE_ROUND_COST = 11650  # tokens of the single pass as long as one side tile (
 def _thread_choices(block_t: int) -> list[int]:
     """Threads of the mix kernel for a token tile: at most one warpgroup per 64 tokens (a wgmma's M)."""
     return [t for t in (128, 256) if t <= 2 * block_t]
+
+
+def mix_chunks(n: int, D: int, block_k: int) -> int:
+    """The mix kernel's column chunks (n streams of D padded to _D_PAD, block_k at a time): `splits` divides it."""
+    return n * _round_up(D, _D_PAD) // block_k
 
 
 def mix_smem_bytes(n: int, block_t: int, block_k: int, num_stages: int, **_) -> int:
@@ -76,9 +84,10 @@ def side_tokens(tokens: int, idle_sms: int) -> int:
     return tokens // (per_round + _SIDE_ROUND_COST) * per_round if per_round > 0 else 0
 
 
-def forward_default_config(n: int, D: int) -> dict:
-    """The forward's tunables: the mix kernel's tiling, or the single pass's ring depths."""
-    if not fused_fits(n, D):
+def forward_default_config(n: int, D: int, single_pass: bool = False) -> dict:
+    """The forward's tunables: the mix kernel's tiling, or (`single_pass`, only where `fused_fits`) the single
+    pass's ring depths."""
+    if not single_pass:
         return dict(_MIX_CONFIG)
     # 8 phi stages (its chunks come from L2; depth measured to matter more than x's slack), then up
     # to a tile of slack for the next tile's x.
@@ -87,14 +96,25 @@ def forward_default_config(n: int, D: int) -> dict:
     return {"x_slots": x_slots, "phi_stages": 8}
 
 
-def forward_config_space(n: int, D: int) -> list[dict]:
-    if fused_fits(n, D):
+def forward_config_space(n: int, D: int, single_pass: bool = False) -> list[dict]:
+    if single_pass:
         Q = fused_chunks(n, D)
         return [dict(x_slots=r, phi_stages=s) for r in (Q, Q + 1, Q + 2) for s in range(2, 9)
                 if fused_smem_bytes(n, r, s) <= SMEM_BUDGET]
-    return [dict(block_t=bt, block_k=bk, num_stages=st, threads=th)
-            for bt in (64, 128) for bk in (64, 128) for st in (2, 3, 4) for th in _thread_choices(bt)
-            if mix_smem_bytes(n, bt, bk, st) <= SMEM_BUDGET]
+    return [dict(block_t=bt, block_k=bk, num_stages=st, threads=th, splits=sp)
+            for bt in (64, 128) for bk in (64, 128) for st in (2, 3, 4) for th in _thread_choices(bt) for sp in (1, 2, 4)
+            if mix_smem_bytes(n, bt, bk, st) <= SMEM_BUDGET and mix_chunks(n, D, bk) % sp == 0
+            and (sp == 1 or mix_chunks(n, D, bk) // sp >= st)]
+
+
+def check_num_sms(num_sms) -> int:
+    """The SM budget of an op (None: every SM of the GPU): the grids of its persistent kernels stay within it,
+    for callers that keep SMs for other work (communication kernels). Non-persistent grids (one tile per CTA)
+    need no budget: the hardware places them on whatever SMs are free."""
+    if num_sms is None:
+        return sm_count()
+    check_int("num_sms", num_sms, lo=1, hi=sm_count())
+    return num_sms
 
 
 # ----------------------------------------------------------------------------- backward
@@ -139,10 +159,11 @@ def _lag(n: int, D: int, token_groups: int) -> int:
     return min(8, _ROW_L2_BUDGET // tile_rows)
 
 
-def one_pass(n: int, D: int) -> bool:
+def one_pass(n: int, D: int, num_sms: int | None = None) -> bool:
     """Whether the backward runs as one pass (`mhc_pre_bwd_one_pass`): n <= 4 (its rings fit shared memory)
-    and one CTA per D-slice fits the GPU at once (D <= 8448 on 132 SMs), since the CTAs wait on each other."""
-    return n <= 4 and _slices(D) <= sm_count()
+    and one CTA per D-slice fits the SM budget (default: the GPU; D <= 8448 on 132 SMs). The grid is persistent
+    (a CTA per slice and token group): wider than the budget, it would take SMs the caller keeps for other work."""
+    return n <= 4 and _slices(D) <= (sm_count() if num_sms is None else num_sms)
 
 
 def _stats_smem(n: int, block_t: int, block_d: int, num_stages: int) -> int:
@@ -177,25 +198,31 @@ def _stats_stages(n: int, block_t: int, block_d: int) -> int:
     return 2 if _stats_smem(n, block_t, block_d, 2) + 2048 <= SMEM_LIMIT else 1
 
 
-def _smem_bytes(n: int, D: int, block_t: int, block_d: int, num_stages: int) -> int:
+def _smem_bytes(n: int, D: int, block_t: int, block_d: int, num_stages: int, num_sms: int | None = None) -> int:
     """Shared memory of the one pass (exact), or of the larger of the two kernels plus slack."""
-    if one_pass(n, D):
+    if one_pass(n, D, num_sms):
         return _one_pass_smem(n, block_t, num_stages)
     stats = _stats_smem(n, block_t, block_d, _stats_stages(n, block_t, block_d))
     return max(stats, _grad_smem(n, block_t, block_d, num_stages)) + 2048
 
 
-def _smem_limit(n: int, D: int) -> int:
+def _smem_limit(n: int, D: int, num_sms: int | None = None) -> int:
     """Hopper's opt-in shared memory per block less slack for the one pass (its model is exact), or the two
     kernels' margin."""
-    return SMEM_BUDGET if one_pass(n, D) else SMEM_LIMIT
+    return SMEM_BUDGET if one_pass(n, D, num_sms) else SMEM_LIMIT
 
 
-def backward_default_config(n: int, D: int) -> dict:
+def one_pass_groups(D: int, num_sms: int | None = None) -> int:
+    """The one pass's most token groups: as many as keep its grid within the SM budget (a CTA per SM; on 132 SMs
+    2 at D = 4096, 1 at D = 7168)."""
+    return min(64, (sm_count() if num_sms is None else num_sms) // _slices(D))
+
+
+def backward_default_config(n: int, D: int, num_sms: int | None = None) -> dict:
     """The backward's tunables (those of the kernel that writes grad_x)."""
-    if one_pass(n, D):  # as many token groups as keep every CTA resident (D = 4096: 2, D = 7168: 1)
-        return {"block_t": _OP_BLOCK, "block_d": _OP_BLOCK,
-                "token_groups": min(64, sm_count() // _slices(D)), "num_stages": 3}
+    if one_pass(n, D, num_sms):
+        return {"block_t": _OP_BLOCK, "block_d": _OP_BLOCK, "token_groups": one_pass_groups(D, num_sms),
+                "num_stages": 3}
     # block_d keeps n*block_d a multiple of 64 (the grad_phi product's M over 8 warps) and shared
     # memory in bounds (n = 5 and 7 fit with no block_d, see MHCBackwardPreTileLang). num_stages is the
     # grad kernel's (the tunable one; the stats kernel takes 2 when they fit, see _stats_stages): one
@@ -203,12 +230,12 @@ def backward_default_config(n: int, D: int) -> dict:
     return {"block_t": 64, "block_d": {6: 32, 8: 16}.get(n, 64), "token_groups": 4, "num_stages": 1}
 
 
-def backward_config_space(n: int, D: int) -> list[dict]:
+def backward_config_space(n: int, D: int, num_sms: int | None = None) -> list[dict]:
     # block_d and token_groups fix the workspace shapes of tune_args, so they stay at the default.
-    base = backward_default_config(n, D)
-    tiles, least = ((64,), _OP_MIN_STAGES) if one_pass(n, D) else ((64, 128), 1)
+    base = backward_default_config(n, D, num_sms)
+    tiles, least = ((64,), _OP_MIN_STAGES) if one_pass(n, D, num_sms) else ((64, 128), 1)
     return [{**base, "block_t": bt, "num_stages": s} for bt in tiles for s in range(least, 5)
-            if _smem_bytes(n, D, bt, base["block_d"], s) <= _smem_limit(n, D)]
+            if _smem_bytes(n, D, bt, base["block_d"], s, num_sms) <= _smem_limit(n, D, num_sms)]
 
 
 # ----------------------------------------------------------------------------- Sinkhorn (h_res -> comb)

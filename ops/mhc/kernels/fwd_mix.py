@@ -1,22 +1,51 @@
 """The forward's two-kernel path (x read twice): `mhc_pre_mix` (per tile of tokens the full n*D
 reduction h_mix = x @ phi^T on bf16 tensor cores, pipelined over K, with the sum of squares from the same
 tiles; its epilogue writes h_pre, h_post, h_res and inv_rms) and `mhc_pre_apply` (h_in = sum_i h_pre[i] *
-x[i, :], bandwidth-bound). The mix kernel with `apply` also writes h_in: the single pass's side kernel."""
+x[i, :], bandwidth-bound). The mix kernel with `apply` also writes h_in: the single pass's side kernel.
+
+With `splits` > 1 the mix kernel's K (the n*D columns) is split over that many CTAs per token tile: more, shorter
+CTAs, so that a GPU shared with another stream (or a small token count) still gets a grid of several waves. Each
+split writes its partial h_mix and sum of squares; the last CTA of a tile to arrive (a count per tile) sums them in
+split order and runs the epilogue: no CTA waits for another, and the sums are bitwise reproducible."""
 
 from ...common import runtime  # noqa: F401  (the kernel cache dir before TileLang is imported)
 from ..tiling import _D_PAD, _SIDE_D, _round_up, phi_split_rows
 
 import tilelang.language as T  # noqa: E402
 
+_SPLIT_SRC = r"""
+// 1 in the last of a token tile's `splits` CTAs to get here (every thread fenced its partials before the CTA's
+// barrier; this release orders them before the count, the acquire after it orders the other splits' before the
+// reads that follow). The last one zeroes the count for the next launch on the same buffers (a timing loop).
+__device__ __forceinline__ int mhc_last_split(const int* count, int tile, int splits) {
+  int* c = const_cast<int*>(count) + tile;
+  __threadfence();
+  int last = atomicAdd(c, 1) == splits - 1;
+  __threadfence();
+  if (last) *c = 0;
+  return last;
+}
+__device__ __forceinline__ void mhc_fence() { __threadfence(); }
+// Another CTA's partials: from L2, never from a stale L1 line.
+__device__ __forceinline__ float mhc_ld_cg(const float* p, int i) { return __ldcg(p + i); }
+"""
+
 
 def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
                        block_t: int = 128, block_k: int = 128, num_stages: int = 2, threads: int = 256,
-                       apply: bool = False):
+                       splits: int = 1, apply: bool = False):
     """Per tile of `block_t` tokens: h_pre, h_post, h_res and inv_rms; with `apply` also h_in, from x read
-    a second time (the side kernel of the single pass, see ops/mhc/pre.py)."""
+    a second time (the side kernel of the single pass, see ops/mhc/pre.py). `splits` (a divisor of the
+    n * Dp / block_k column chunks; 1 with `apply`) CTAs per tile, each over its share of the chunks, the
+    partials in Part [tiles, splits, block_t, NG + 1] and the arrivals counted in Count [tiles] (zero at the
+    first launch; each tile's last CTA zeroes its count again). With one split both are unused (one tile's worth
+    suffices)."""
     N, NG = n * n + 2 * n, phi_split_rows(n)
     d_chunks = _round_up(D, _D_PAD) // block_k  # phi's copy is padded with zeros past D
+    per_split = n * d_chunks // splits
+    assert per_split * splits == n * d_chunks and not (apply and splits > 1)
     num_tokens = T.dynamic("num_tokens")
+    part_tiles, count_tiles = T.dynamic("part_tiles"), T.dynamic("count_tiles")
 
     @T.prim_func
     def mhc_pre_mix(
@@ -31,8 +60,10 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
         HPre: T.Tensor((num_tokens, n), "float32"),
         HMix: T.Tensor((num_tokens, N), "float32"),
         HIn: T.Tensor((num_tokens, D), "bfloat16"),  # written only with `apply`
+        Part: T.Tensor((part_tiles, splits, block_t, NG + 1), "float32"),  # used only with splits > 1
+        Count: T.Tensor((count_tiles,), "int32"),
     ):
-        with T.Kernel(T.ceildiv(num_tokens, block_t), threads=threads) as bx:
+        with T.Kernel(T.ceildiv(num_tokens, block_t), splits, threads=threads, prelude=_SPLIT_SRC) as (bx, sp):
             xs = T.alloc_shared((block_t, block_k), "bfloat16")
             hi_s = T.alloc_shared((NG, block_k), "bfloat16")
             lo_s = T.alloc_shared((NG, block_k), "bfloat16")
@@ -45,7 +76,8 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
 
             T.clear(acc)
             T.clear(sq)
-            for kc in T.Pipelined(n * d_chunks, num_stages=num_stages):
+            for kp in T.Pipelined(per_split, num_stages=num_stages):
+                kc = sp * per_split + kp
                 i, d0 = kc // d_chunks, (kc % d_chunks) * block_k
                 T.copy(X[t0:t0 + block_t, i, d0:d0 + block_k], xs)
                 T.copy(PhiHi[:, i, d0:d0 + block_k], hi_s)
@@ -69,8 +101,27 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
                 sumsq_s[t] = sumsq[t]
             hpre_s = T.alloc_shared((block_t, n), "float32") if apply else None  # h_pre kept for h_in
             T.sync_threads()
+            last = T.alloc_shared((1,), "int32")
+            if splits > 1:  # this split's partials out; the tile's last CTA sums every split's, in split order
+                for t, r in T.Parallel(block_t, NG + 1):
+                    Part[bx, sp, t, r] = T.if_then_else(r < NG, mix_s[t, T.min(r, NG - 1)], sumsq_s[t])
+                T.call_extern("handle", "mhc_fence")
+                T.sync_threads()
+                if T.get_thread_binding() == 0:
+                    last[0] = T.call_extern("int32", "mhc_last_split", Count.data, bx, splits)
+                T.sync_threads()
+                if last[0] == 1:
+                    for t, r in T.Parallel(block_t, NG + 1):
+                        part = [T.call_extern("float32", "mhc_ld_cg", Part.data,
+                                              ((bx * splits + s) * block_t + t) * (NG + 1) + r) for s in range(splits)]
+                        total = sum(part[1:], part[0])  # in split order
+                        if r < NG:
+                            mix_s[t, r] = total
+                        else:
+                            sumsq_s[t] = total
+                T.sync_threads()
             for t, r in T.Parallel(block_t, NG):
-                if t0 + t < num_tokens and r < N:
+                if (splits == 1 or last[0] == 1) and t0 + t < num_tokens and r < N:
                     inv_rms = T.rsqrt(sumsq_s[t] / (n * D) + rms_eps)
                     HMix[t0 + t, r] = mix_s[t, r]
                     if r == 0:
