@@ -10,8 +10,10 @@ import torch
 
 from golden.htree import apply_rope, build_tree, htree_forward, num_layers, pack_bits, rope_tables
 from ops.common.protocol import Op, op_class
+from ops.common.runtime import compile_kernel
 from ops.htree import HTreeBackwardTileLang, HTreeForwardTileLang, htree_attention
 from ops.htree.bwd_index import candidate_counts, parent_lists, slab_index
+from ops.htree.kernels.bwd_rows16 import htree_bwd_rows16_kernel, uses_rows16
 from ops.htree.tree import nodes_to_positions, positions_to_nodes
 
 
@@ -170,10 +172,11 @@ def _unrotate(x, cos, sin):
     return torch.cat([lo * cos + hi * sin, hi * cos - lo * sin], dim=-1)
 
 
-def emulate_backward(do, q, k, v, o, lse, sel, r, top_k, max_top, slab, rope_base=10000.0):
+def emulate_backward(do, q, k, v, o, lse, sel, r, top_k, max_top, slab, rope_base=10000.0, child_frame=False):
     """dq, dk, dv the way the kernels compute them (float64 loops): per slab the host index (slab_index,
     parent_lists), the top layer's dq and dK/dV, the lower layers' dq per row and dK/dV per parent's children from
-    the lists, then the push-down of the mean pooling."""
+    the lists, then the push-down of the mean pooling. ``child_frame``: the lower layers' dq as
+    htree_bwd_rows16_kernel computes it, per parent slot with K rotated at the child index."""
     B, T, H, K = q.shape
     Hkv = k.shape[2]
     G, scale = H // Hkv, K ** -0.5
@@ -214,6 +217,16 @@ def emulate_backward(do, q, k, v, o, lse, sel, r, top_k, max_top, slab, rope_bas
                         p = torch.arange(n)
                         node = idx.par[l, b, ts, h].long()[p // r] * r + p % r
                         merged = torch.ones(n, dtype=torch.bool) if l == 0 else idx.flags[l - 1, b, ts, h, :n] == 0
+                        if child_frame:  # the query at n - 1 - slot r, dq rotated back there, slot by slot
+                            for slot in range(-(-n // r)):
+                                c = p[slot * r:(slot + 1) * r]
+                                rel = n - 1 - slot * r
+                                kc = apply_rope(lk[node[c]], cos[c % r], sin[c % r])
+                                qs = apply_rope(q[b, t, heads], cos[rel], sin[rel])
+                                P = torch.exp(scale * qs @ kc.T - lse[b, t, heads, None]) * merged[c]
+                                dS = P * (do[b, t, heads] @ lv[node[c]].T - D[b, t, heads, None])
+                                dq[b, t, heads] += scale * _unrotate(dS @ kc, cos[rel], sin[rel])
+                            continue
                         kr = apply_rope(lk[node], cos[p], sin[p])
                         qr = apply_rope(q[b, t, heads], cos[n - 1], sin[n - 1])
                         P = torch.exp(scale * qr @ kr.T - lse[b, t, heads, None]) * merged
@@ -252,6 +265,7 @@ def emulate_backward(do, q, k, v, o, lse, sel, r, top_k, max_top, slab, rope_bas
     return dq, acc_k[0], acc_v[0]
 
 
+@pytest.mark.parametrize("child_frame", [False, True], ids=["rows", "rows16"])
 @pytest.mark.parametrize("T,r,top_k,max_top,G,slab", [
     (20, 4, 2, 8, 2, 7),    # 2 layers
     (40, 4, 2, 4, 1, 16),   # 3 layers
@@ -259,9 +273,10 @@ def emulate_backward(do, q, k, v, o, lse, sel, r, top_k, max_top, slab, rope_bas
     (45, 4, 64, 4, 2, 11),  # everything selected
     (9, 4, 2, 16, 2, 4),    # one layer
 ])
-def test_emulated_backward_matches_golden_autograd(T, r, top_k, max_top, G, slab):
+def test_emulated_backward_matches_golden_autograd(T, r, top_k, max_top, G, slab, child_frame):
     """The kernels' decomposition (host index structures, per-layer formulas, lists, push-down) in float64 equals the
-    golden's autograd with the golden's own selections."""
+    golden's autograd with the golden's own selections; the lower layers' dq either way (htree_bwd_rows_kernel's
+    candidates rotated at their positions, htree_bwd_rows16_kernel's per-slot frames)."""
     q, k, v = _inputs(2, T, 2 * G, 2, 8, 6, seed=T + G, grad=True)
     do = torch.randn(2, T, 2 * G, 6, dtype=torch.float64)
     o, sel, lse = htree_forward(q, k, v, r, top_k, max_top, return_selection=True, return_lse=True)
@@ -269,7 +284,7 @@ def test_emulated_backward_matches_golden_autograd(T, r, top_k, max_top, G, slab
     L = num_layers(T, r, max_top)
     pos = nodes_to_positions(sel, r) if L > 1 else torch.empty(0, 2, T, 2, top_k, dtype=torch.int16)
     got = emulate_backward(do, q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), pos, r, top_k, max_top,
-                           slab)
+                           slab, child_frame=child_frame)
     for g, g_ref in zip(got, grads):
         torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
 
@@ -372,8 +387,23 @@ def bwd_op(request):
 @pytest.mark.compile
 def test_backward_compiles_for_sm90a(bwd_op):
     """Every backward kernel builds for sm_90a (and the forward's variant for the differentiable forward)."""
-    assert all(kernel is not None for kernel in bwd_op.kernels().values())
-    assert len(bwd_op.kernels()) == 9
+    kernels = bwd_op.kernels()
+    assert all(kernel is not None for kernel in kernels.values())
+    rows16 = uses_rows16(str(bwd_op.dtype)[6:], bwd_op.compression_rate)  # (b): the rows kernel from fragments
+    assert len(kernels) == 9 + rows16 and ("rope_child" in kernels) == rows16
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("H,Hkv,K,V,r,top_k,dtype", [
+    (8, 2, 128, 64, 16, 16, "bfloat16"),  # the GPU tests' bf16 G=4 K != V case
+    (16, 1, 128, 64, 16, 8, "float16"),   # G = 16 (two head tiles), fp16
+    (16, 1, 64, 32, 32, 4, "bfloat16"),   # r = 32
+    (8, 2, 32, 64, 16, 8, "float16"),     # K = 32 (8-byte loads)
+], ids=["bf16-G4-K128-V64", "fp16-G16-K128", "bf16-G16-r32", "fp16-G4-K32-V64"])
+def test_rows16_kernel_compiles_for_sm90a(H, Hkv, K, V, r, top_k, dtype):
+    """htree_bwd_rows16_kernel (16-bit, r >= 16) builds at the GPU tests' specifications (the bench's (b): above)."""
+    assert uses_rows16(dtype, r)
+    assert compile_kernel(htree_bwd_rows16_kernel(H, Hkv, K, V, r, top_k, K ** -0.5, dtype)) is not None
 
 
 @pytest.mark.compile

@@ -23,6 +23,7 @@ CASES = [
     (torch.bfloat16, 8, 2, 32, 32, 4, 4, 64, 50),       # L=1: dense causal attention
     (torch.bfloat16, 8, 2, 32, 32, 4, 1, 16, 300),      # top_k=1: only the forced rightmost node is expanded
     (torch.float32, 4, 2, 32, 32, 2, 4, 8, 100),        # r=2, L=5
+    (torch.float16, 16, 1, 128, 64, 16, 8, 32, 1100),   # G=16 fp16 r=16, L=3 (the 16-bit rows kernel's two head tiles)
 ]
 ALL_SELECTED = (torch.float32, 8, 2, 32, 64, 4, 64, 16, 200)  # top_k >= every layer's candidates (L=3)
 # relative Frobenius-norm error allowed per gradient (16-bit: the gradients are rounded to 16 bits, the tree too)

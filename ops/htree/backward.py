@@ -13,14 +13,17 @@ costs: docs/design/htree.md):
     candidate counts, and per layer below the top the lists parent -> queries that selected it):
     ``htree_bwd_top_dq_kernel`` (the top layer's part of dq, GEMMs over query blocks),
     ``htree_bwd_top_dkv_kernel`` (the top layer's dK, dV, GEMMs over node blocks),
-    ``htree_bwd_rows_kernel`` (the lower layers' part of dq, one CTA per row; writes dq),
+    ``htree_bwd_rows_kernel`` (the lower layers' part of dq, one CTA per row; writes dq; 16-bit with r >= 16:
+    ``htree_bwd_rows16_kernel`` from register fragments, with the lower layers' K rotated at their child index by
+    the forward's ``htree_rope_kernel``),
     ``htree_bwd_nodes_kernel`` once per lower layer (its nodes' dK, dV, one CTA per parent's children);
   - ``htree_bwd_unpool_kernel``: the push-down from the top layer to the tokens, writing dk, dv.
 Every accumulator element is written by one CTA per launch, in a fixed order, so dq, dk and dv are bitwise
 reproducible.
 
 Memory: fp32 accumulators for dK and dV of every layer, (T + sum_{l >= 1} N_l) x Hkv x (K + V) x 4 bytes per batch
-row (~(K + V) x Hkv x 4.27 bytes per token at r = 16), D [B, T, H] fp32, the rebuilt tree, and per slab of queries
+row (~(K + V) x Hkv x 4.27 bytes per token at r = 16), D [B, T, H] fp32, the rebuilt tree (16-bit, r >= 16: and
+the lower layers' K rotated at the child index, ~k's size), and per slab of queries
 the index structures (about 12 (L-1) Hkv top_k + (L-1) Hkv nbuf + 4 H K bytes per query, plus one layer's sort of
 B S Hkv top_k pairs); the slab is sized so that these stay under 4 GiB (~10K queries at the bench's (b)).
 """
@@ -38,6 +41,7 @@ from .bwd_index import parent_lists, slab_index
 from .forward import set_spec
 from .kernels.bwd_nodes import LIST_SLOT_BITS, children_tile, htree_bwd_nodes_kernel
 from .kernels.bwd_rows import htree_bwd_rows_kernel
+from .kernels.bwd_rows16 import htree_bwd_rows16_kernel, uses_rows16
 from .kernels.bwd_top import htree_bwd_top_dkv_kernel, htree_bwd_top_dq_kernel
 from .kernels.bwd_tree import htree_bwd_delta_kernel, htree_bwd_unpool_kernel
 from .kernels.pool_rope import htree_pool_kernel, htree_rope_kernel
@@ -100,8 +104,14 @@ class HTreeBackwardTileLang(Op):
         self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
         c = self.config
         H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
+        # 16-bit, r >= 16: the rows kernel from register fragments, with the lower layers' K rotated at the child
+        # index (the forward's htree_rope_kernel with period r)
+        rows16 = uses_rows16(tl_dtype, r)
+        rows = (htree_bwd_rows16_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, tl_dtype)
+                if rows16 else htree_bwd_rows_kernel(H, Hkv, K, V, r, top_k_per_layer, max_top_nodes, self.scale,
+                                                     tl_dtype, block_n=c["rows_block_n"]))
         (self.pool, self.rope, self.delta, self.top_dq, self.top_dkv, self.rows, self.nodes, self.unpool,
-         self.unpool_out) = compile_kernels(
+         self.unpool_out, *rope_child) = compile_kernels(
             htree_pool_kernel(Hkv, K, V, r, tl_dtype),
             htree_rope_kernel(Hkv, K, tl_dtype),
             htree_bwd_delta_kernel(H, V, tl_dtype),
@@ -109,11 +119,12 @@ class HTreeBackwardTileLang(Op):
                                     block_n=c["top_dq_block_n"]),
             htree_bwd_top_dkv_kernel(H, Hkv, K, V, self.scale, tl_dtype, block_m=c["top_dkv_block_m"],
                                      block_n=c["top_dkv_block_n"]),
-            htree_bwd_rows_kernel(H, Hkv, K, V, r, top_k_per_layer, max_top_nodes, self.scale, tl_dtype,
-                                  block_n=c["rows_block_n"]),
+            rows,
             htree_bwd_nodes_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, tl_dtype, block_m=c["nodes_block_m"]),
             htree_bwd_unpool_kernel(Hkv, K, V, r, tl_dtype, final=False),
-            htree_bwd_unpool_kernel(Hkv, K, V, r, tl_dtype, final=True))
+            htree_bwd_unpool_kernel(Hkv, K, V, r, tl_dtype, final=True),
+            *([htree_rope_kernel(Hkv, K, tl_dtype, period=r)] if rows16 else []))
+        self.rope_child = rope_child[0] if rope_child else None
         self._tables = {}
 
     # ----------------------------------------------------------------------------- call
@@ -165,6 +176,7 @@ class HTreeBackwardTileLang(Op):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         shift = (L - 1) * int(math.log2(r))
         top_v, top_off = (nodes_v, offs[-1]) if L > 1 else (v, 0)
+        rows_k = self._rows_keys(k, nodes_k, cos, sin, offs, sizes)
         slab = self._slab_rows(B, L)
         for t0 in range(0, T, slab):
             S = min(slab, T - t0)
@@ -183,8 +195,8 @@ class HTreeBackwardTileLang(Op):
             self.top_dq(q, do, top, top_v, cos, sin, lse, dl, flags_top, dq_top, shift, top_off, t0, int(L > 1))
             self.top_dkv(q, do, top, top_v, cos, sin, lse, dl, flags_top, acc_k, acc_v, shift, top_off, acc_off[-1],
                          t0, S, int(L > 1))
-            self.rows(q, do, k, v, nodes_k, nodes_v, cos, sin, lse, dl, par, ncand, flags, layer_off, dq_top, dq, L - 1,
-                      t0)
+            self.rows(q, do, rows_k[0], v, rows_k[1], nodes_v, cos, sin, lse, dl, par, ncand, flags, layer_off, dq_top,
+                      dq, L - 1, t0)
             for l in range(L - 2, -1, -1):  # the nodes of layer l, children of the parents at l + 1
                 start, entries = parent_lists(par[l], sizes[l + 1])
                 self.nodes(q, do, k, v, nodes_k, nodes_v, cos, sin, lse, dl, ncand, flags, start, entries, layer_off,
@@ -194,9 +206,24 @@ class HTreeBackwardTileLang(Op):
         self.unpool_out(acc_k, acc_v, dk, dv, acc_off[1] if L > 1 else 0, int(L > 1))
         return dq, dk, dv
 
+    def _rows_keys(self, k, nodes_k, cos, sin, offs, sizes):
+        """The rows kernel's K of the tokens and of the nodes below the top (at their offs): as they are, or (16-bit,
+        r >= 16) rotated at their child index, [B, Hkv, nodes, K] (a one-row placeholder without middle layers)."""
+        if self.rope_child is None:
+            return k, nodes_k
+        B, T, Hkv, K = k.shape
+        rot = []
+        for l in range(max(len(sizes) - 1, 1)):
+            rot.append(k.new_empty(B, Hkv, sizes[l], K))
+            self.rope_child(k if l == 0 else nodes_k, cos, sin, rot[l], offs[l])
+        return rot[0], torch.cat(rot[1:], dim=2) if len(rot) > 1 else k.new_empty(B, Hkv, 1, K)
+
     def kernels(self) -> dict:
         """The compiled kernels by name (for compile-only tests and the bench's accounting)."""
-        return {"pool": self.pool, "rope": self.rope, "delta": self.delta, "top_dq": self.top_dq,
-                "top_dkv": self.top_dkv, "rows": self.rows, "nodes": self.nodes, "unpool": self.unpool,
-                "unpool_out": self.unpool_out}
+        names = {"pool": self.pool, "rope": self.rope, "delta": self.delta, "top_dq": self.top_dq,
+                 "top_dkv": self.top_dkv, "rows": self.rows, "nodes": self.nodes, "unpool": self.unpool,
+                 "unpool_out": self.unpool_out}
+        if self.rope_child is not None:
+            names["rope_child"] = self.rope_child
+        return names
 

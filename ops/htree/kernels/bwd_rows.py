@@ -7,7 +7,7 @@ q's dtype: one CTA per row, a fixed order, no atomics.
 
 A chunk's K rows are gathered and rotated at their candidate positions p (RoPE table rows) into one tile that serves
 both the scores (Q K^T) and dq (dS K), V into another; the G query heads are the rows of the products (padded
-to 16)."""
+to 16). This kernel serves fp32 and r < 16; 16-bit inputs with r >= 16 run ``bwd_rows16`` (register fragments)."""
 
 import math
 
