@@ -21,10 +21,12 @@ from ops.paged_prefill.tiling import warp_specialized
 
 # ----------------------------------------------------------------------------- inputs
 def make_batch(q_lens, histories, num_heads, num_kv_heads, head_dim, page_size, dtype, device="cpu",
-               kv_layout="HND", use_alibi=False, spare_blocks=3, table_dtype=torch.int32, poison=True):
-    """Random ragged batch over a shuffled paged cache. With ``poison``, cache slots past each
-    sequence's end and the unused blocks hold NaN and table entries past the needed blocks hold -1,
-    so any read of them shows up in the output."""
+               kv_layout="HND", use_alibi=False, spare_blocks=3, table_dtype=torch.int32, poison=True,
+               kv_dtype=None):
+    """Random ragged batch over a shuffled paged cache (stored in ``kv_dtype``, default q's dtype). With
+    ``poison``, cache slots past each sequence's end and the unused blocks hold NaN and table entries
+    past the needed blocks hold -1, so any read of them shows up in the output."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     seq_lens = [q + h for q, h in zip(q_lens, histories)]
     needed = [-(-n // page_size) for n in seq_lens]
     num_blocks = sum(needed) + spare_blocks
@@ -33,8 +35,8 @@ def make_batch(q_lens, histories, num_heads, num_kv_heads, head_dim, page_size, 
     tables = torch.full((len(q_lens), max_blocks), -1, dtype=table_dtype)
     shape = ((num_blocks, num_kv_heads, page_size, head_dim) if kv_layout == "HND"
              else (num_blocks, page_size, num_kv_heads, head_dim))
-    k_cache = torch.randn(shape, dtype=torch.float32).to(dtype)
-    v_cache = torch.randn(shape, dtype=torch.float32).to(dtype)
+    k_cache = torch.randn(shape, dtype=torch.float32).to(kv_dtype)
+    v_cache = torch.randn(shape, dtype=torch.float32).to(kv_dtype)
     if poison:
         k_cache.fill_(float("nan"))
         v_cache.fill_(float("nan"))
@@ -46,7 +48,7 @@ def make_batch(q_lens, histories, num_heads, num_kv_heads, head_dim, page_size, 
             tables[s, b] = blk
             valid = min(page_size, n - b * page_size)
             for cache in (k_cache, v_cache):
-                rows = torch.randn(num_kv_heads, valid, head_dim).to(dtype)
+                rows = torch.randn(num_kv_heads, valid, head_dim).to(kv_dtype)
                 if kv_layout == "HND":
                     cache[blk, :, :valid] = rows
                 else:
@@ -61,14 +63,18 @@ def make_batch(q_lens, histories, num_heads, num_kv_heads, head_dim, page_size, 
 
 
 def reference_float64(q, k_cache, v_cache, block_tables, seq_lens, cum_seq_lens_q, alibi_slopes=None,
-                      scale=None, kv_layout="HND"):
+                      scale=None, kv_layout="HND", window_left=-1, logits_soft_cap=0.0, k_scale=None,
+                      v_scale=None):
     """The seed's algorithm, one query token and head at a time, in float64: max pass, sum pass,
-    weighted-sum pass, each reading KV position t through the block table."""
+    weighted-sum pass, each reading KV position t through the block table. Returns (out, lse)."""
     total_q, num_heads, head_dim = q.shape
     hkv_axis, slot_axis = (1, 2) if kv_layout == "HND" else (2, 1)
     page_size, num_kv_heads = k_cache.shape[slot_axis], k_cache.shape[hkv_axis]
     scale = head_dim ** -0.5 if scale is None else scale
+    k_mult = 1.0 if k_scale is None else float(k_scale)
+    v_mult = 1.0 if v_scale is None else float(v_scale)
     out = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.zeros(q.shape[:2], dtype=torch.float64)
     cum = cum_seq_lens_q.tolist()
 
     def row(cache, s, t, kvh):
@@ -82,19 +88,25 @@ def reference_float64(q, k_cache, v_cache, block_tables, seq_lens, cum_seq_lens_
         history = int(seq_lens[s]) - q_len
         for i in range(q_len):
             limit = history + i
+            first = 0 if window_left < 0 else max(0, limit - window_left)
+            keys = range(first, limit + 1)
             for h in range(num_heads):
                 kvh = h // (num_heads // num_kv_heads)
                 qv = q[cum[s] + i, h].double()
                 slope = 0.0 if alibi_slopes is None else float(alibi_slopes[h])
 
                 def score(t):
-                    return scale * float(qv @ row(k_cache, s, t, kvh)) + slope * (t - limit)
+                    x = scale * float(qv @ (row(k_cache, s, t, kvh) * k_mult))
+                    if logits_soft_cap > 0:
+                        x = logits_soft_cap * math.tanh(x / logits_soft_cap)
+                    return x + slope * (t - limit)
 
-                m = max(score(t) for t in range(limit + 1))
-                denom = sum(math.exp(score(t) - m) for t in range(limit + 1))
-                acc = sum(math.exp(score(t) - m) / denom * row(v_cache, s, t, kvh) for t in range(limit + 1))
+                m = max(score(t) for t in keys)
+                denom = sum(math.exp(score(t) - m) for t in keys)
+                acc = sum(math.exp(score(t) - m) / denom * row(v_cache, s, t, kvh) * v_mult for t in keys)
                 out[cum[s] + i, h] = acc
-    return out
+                lse[cum[s] + i, h] = m + math.log(denom)
+    return out, lse
 
 
 CPU_CASES = [
@@ -110,17 +122,79 @@ CPU_CASES = [
 def test_golden_matches_float64_loop(q_lens, histories, heads, kv_heads, page_size, layout, alibi):
     batch = make_batch(q_lens, histories, heads, kv_heads, 8, page_size, torch.float64, kv_layout=layout,
                        use_alibi=alibi, table_dtype=random.choice([torch.int32, torch.int64]))
-    got = paged_attention_prefill(**batch, scale=0.3, kv_layout=layout)
-    want = reference_float64(**batch, scale=0.3, kv_layout=layout)
+    got, lse = paged_attention_prefill(**batch, scale=0.3, kv_layout=layout, return_lse=True)
+    want, want_lse = reference_float64(**batch, scale=0.3, kv_layout=layout)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
-    assert torch.isfinite(got).all()
+    assert torch.isfinite(got).all() and lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    assert paged_attention_prefill(**batch, scale=0.3, kv_layout=layout).equal(got)  # return_lse=False: out only
+
+
+# Each option alone and combined with ALiBi and the others, both layouts: (window_left, soft cap,
+# k_scale, v_scale, alibi, layout). The window sizes 0 (only t = p), shorter and longer than histories.
+OPTION_CASES = [
+    (0, 0.0, None, None, False, "HND"),
+    (3, 0.0, None, None, True, "NHD"),
+    (7, 0.0, None, None, False, "HND"),
+    (-1, 2.5, None, None, False, "NHD"),
+    (-1, 0.7, None, None, True, "HND"),
+    (-1, 0.0, 0.37, 1.9, False, "HND"),
+    (-1, 0.0, 2.0, 0.5, True, "NHD"),
+    (5, 1.3, 0.6, 1.4, True, "HND"),
+    (2, 3.0, None, 0.8, True, "NHD"),
+    (40, 1.0, 1.5, None, False, "HND"),
+]
+
+
+@pytest.mark.parametrize("window_left,cap,k_scale,v_scale,alibi,layout", OPTION_CASES)
+def test_golden_options_match_float64_loop(window_left, cap, k_scale, v_scale, alibi, layout):
+    batch = make_batch([5, 0, 1, 9], [3, 4, 0, 12], 4, 2, 8, 4, torch.float64, kv_layout=layout, use_alibi=alibi)
+    opts = dict(scale=0.4, kv_layout=layout, window_left=window_left, logits_soft_cap=cap)
+    got, lse = paged_attention_prefill(**batch, **opts, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+    want, want_lse = reference_float64(**batch, **opts, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    # the scales also as 0-dim and 1-element fp32 tensors
+    tensors = dict(k_scale=None if k_scale is None else torch.tensor(k_scale),
+                   v_scale=None if v_scale is None else torch.tensor([v_scale]))
+    torch.testing.assert_close(paged_attention_prefill(**batch, **opts, **tensors), got, rtol=1e-6, atol=1e-6)
+
+
+def test_golden_window_hides_old_keys():
+    """A window of w keeps exactly the last w + 1 keys: changing an older key leaves the output alone."""
+    batch = make_batch([2], [10], 2, 1, 8, 4, torch.float64, poison=False)
+    before = paged_attention_prefill(**batch, window_left=3)
+    k_cache = batch["k_cache"].clone()
+    first_block = int(batch["block_tables"][0, 0])
+    k_cache[first_block] += 5.0  # positions 0..3: outside [p - 3, p] for p = 10, 11
+    after = paged_attention_prefill(**{**batch, "k_cache": k_cache}, window_left=3)
+    assert after.equal(before)
+    assert not paged_attention_prefill(**{**batch, "k_cache": k_cache}).equal(paged_attention_prefill(**batch))
+
+
+@pytest.mark.parametrize("layout,alibi,window_left,cap", [("HND", False, -1, 0.0), ("NHD", True, 6, 1.5)])
+def test_golden_fp8_cache_dequantizes(layout, alibi, window_left, cap):
+    """An FP8 (e4m3) cache with scales equals the float64 loop over the dequantized values, and the
+    golden on a 16-bit cache holding the same values."""
+    batch = make_batch([4, 3], [9, 0], 4, 2, 16, 8, torch.bfloat16, kv_layout=layout, use_alibi=alibi,
+                       kv_dtype=torch.float8_e4m3fn)
+    assert batch["k_cache"].dtype == torch.float8_e4m3fn
+    opts = dict(kv_layout=layout, window_left=window_left, logits_soft_cap=cap, k_scale=0.45, v_scale=torch.tensor(1.7))
+    out, lse = paged_attention_prefill(**batch, **opts, return_lse=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    want, want_lse = reference_float64(**batch, **{**opts, "v_scale": 1.7})
+    torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    # stored fp8 -> the same real values in bf16 (exact: e4m3 values fit in bf16) with the scales applied
+    real = {**batch, "k_cache": batch["k_cache"].to(torch.bfloat16), "v_cache": batch["v_cache"].to(torch.bfloat16)}
+    torch.testing.assert_close(paged_attention_prefill(**real, **opts), out, rtol=0, atol=0)
 
 
 def test_golden_keeps_dtype():
     batch = make_batch([3, 2], [1, 4], 2, 1, 8, 4, torch.bfloat16)
     out = paged_attention_prefill(**batch)
     assert out.dtype == torch.bfloat16 and out.shape == batch["q"].shape
-    ref = reference_float64(**batch)
+    ref, _ = reference_float64(**batch)
     torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
 
 

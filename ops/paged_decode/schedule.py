@@ -1,0 +1,89 @@
+"""Host-side tiling and split schedule of the paged decode kernels (plain arithmetic, no TileLang): how the
+query heads x tokens of a kv head pack into the rows of a CTA's tile, the KV tile size, and how many KV
+tiles a split takes for a batch."""
+
+from __future__ import annotations
+
+from ..common.hw import SMEM_LIMIT, SMEM_PER_SM
+
+HEAD_DIMS = (64, 128, 256)
+MAX_Q_TOKENS = 8
+ROWS_MAX = 32  # rows of a CTA's query tile (two 16-row mma tiles): the products stay tiny next to the K/V bytes
+THREADS = 128
+# Pages from this size are copied whole (or as block_N-row slices); smaller ones are gathered row by row.
+PAGE_COPIES_FROM = 16
+
+
+def head_pack(num_heads: int, num_kv_heads: int, num_q_tokens: int) -> int:
+    """Query heads of one kv head per CTA: the largest divisor of the group whose heads x tokens fit
+    ROWS_MAX rows (all of the group for plain decode up to G = 32: K/V read once per kv head)."""
+    groups = num_heads // num_kv_heads
+    return max(d for d in range(1, groups + 1) if groups % d == 0 and d * num_q_tokens <= ROWS_MAX)
+
+
+def block_m(rows: int) -> int:
+    """Tile rows: one or two 16-row mma tiles."""
+    return 16 if rows <= 16 else 32
+
+
+MAX_CTAS_PER_SM = 3  # the register budget that fits 3 CTAs of 256 threads (78-79 registers, no spills)
+
+
+def smem_bytes(rows: int, block_N: int, num_stages: int, head_dim: int, fp8: bool) -> int:
+    """Shared memory of a CTA's Q and P tiles and its K / V pipeline (an upper bound: FP8 tiles count
+    their 16-bit copies once per stage too)."""
+    kv = num_stages * 2 * block_N * head_dim * ((1 + 2) if fp8 else 2)
+    return 2 * block_m(rows) * (head_dim + block_N) + kv
+
+
+def smem_fits(rows: int, block_N: int, num_stages: int, head_dim: int, fp8: bool) -> bool:
+    return smem_bytes(rows, block_N, num_stages, head_dim, fp8) <= SMEM_LIMIT
+
+
+def min_blocks(rows: int, block_N: int, num_stages: int, head_dim: int, fp8: bool) -> int:
+    """CTAs per SM to budget registers for: as many as shared memory holds (plus the 1 KiB an SM reserves
+    per CTA), at most MAX_CTAS_PER_SM. More resident CTAs keep more K / V bytes in flight."""
+    per_cta = smem_bytes(rows, block_N, num_stages, head_dim, fp8) + 1024
+    return max(1, min(MAX_CTAS_PER_SM, SMEM_PER_SM // per_cta))
+
+
+def pipeline_stages(page_size: int) -> tuple[int, ...]:
+    """Software-pipeline depths that lower: whole-page copies (TMA, warp-specialized by TileLang) take 2
+    or 3; the row gathers of small pages (cp.async) only 1 (2 fails in TileLang's codegen)."""
+    return (2, 3) if page_size >= PAGE_COPIES_FROM else (1,)
+
+
+def default_config(head_dim: int, page_size: int, rows: int = ROWS_MAX, fp8: bool = True) -> dict:
+    """block_N: KV tokens per pipeline stage (16 KiB of K per stage at 16-bit, head_dim 128; FP8 keeps the
+    rows and halves the bytes); num_stages: K/V tiles in flight; min_blocks: CTAs per SM the registers are
+    budgeted for (``min_blocks``; rows and fp8 size its shared memory); ctas_per_sm: the split rule's target
+    of CTAs per SM over the whole grid (several waves, so a GPU shared with another stream only adds
+    waves); min_split_tiles: the shortest split worth its partial write and combine."""
+    block_N, stages = 32 if head_dim == 256 else 64, pipeline_stages(page_size)[0]
+    return {"block_N": block_N, "num_stages": stages, "min_blocks": min_blocks(rows, block_N, stages, head_dim, fp8),
+            "ctas_per_sm": 8, "min_split_tiles": 4}
+
+
+def config_space(head_dim: int, page_size: int) -> list[dict]:
+    """Tile size x stages within shared memory for the autotuner (the split rule stays at its default)."""
+    return [{"block_N": n, "num_stages": s} for n in (32, 64, 128) for s in pipeline_stages(page_size)
+            if smem_fits(ROWS_MAX, n, s, head_dim, True)]
+
+
+def kv_tiles_bound(max_len: int, block_N: int, window_left: int, num_q_tokens: int) -> int:
+    """Most KV tiles a sequence of at most max_len tokens visits: all of them, or with a window the tiles
+    touching [len - nq - window_left, len)."""
+    tiles = -(-max_len // block_N)
+    if window_left >= 0:
+        tiles = min(tiles, -(-(window_left + num_q_tokens) // block_N) + 1)
+    return max(tiles, 1)
+
+
+def split_tiles(rows: int, max_tiles: int, target_ctas: int, min_split_tiles: int) -> tuple[int, int]:
+    """(tiles per split, splits): a fixed split length in KV tiles so that ``rows`` (sequence, head group)
+    pairs of up to ``max_tiles`` tiles make about ``target_ctas`` CTAs (never fewer tiles than
+    min_split_tiles a split), evened out over the longest sequence's splits. A sequence of n tiles takes
+    ceil(n / tiles_per_split) splits, one (no partials, no combine) when n <= tiles_per_split."""
+    per = max(min_split_tiles, -(-rows * max_tiles // max(target_ctas, 1)))
+    splits = -(-max_tiles // per)
+    return -(-max_tiles // splits), splits
