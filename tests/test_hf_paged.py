@@ -1,8 +1,8 @@
 """HF transformers' continuous batching on our paged attention (ops/integrations/hf_paged.py).
 
 CPU: the block tables built from HF's cache positions against a literal loop, and HF's continuous batching running
-the adapter with the golden in place of the kernel: the same greedy tokens as HF's ``paged|sdpa``, through both of
-HF's paths (varlen steps and the decode fast path with its block table). GPU: scripts/hf_generate.py's comparison
+the adapter with the golden in place of the kernels: the same greedy tokens as HF's ``paged|sdpa``, through both of
+HF's steps (prompt chunks on the prefill, one token per request on the decode op's plan / run). GPU: scripts/hf_generate.py's comparison
 (16 ragged requests, 64 new tokens: every step against the reference's teacher-forced logits, tokens against
 ``paged|sdpa``'s up to each request's first near-tie)."""
 
@@ -30,18 +30,31 @@ def test_block_tables_from_positions():
 
 
 class _GoldenOp:
-    """The prefill op's call, computed by the golden (what the adapter hands the kernel, checked on the CPU)."""
+    """The ops as the adapter calls them, computed by the golden (what the adapter hands the kernels, checked on the
+    CPU): the prefill's one call op(q, k_cache, v_cache, tables, seq_lens, cum_seq_lens_q, out, validate) and the
+    decode's plan(tables, seq_lens, validate) then run(q, k_cache, v_cache, plan, out)."""
 
-    calls = []
+    calls = []  # which op ran each layer of each step
 
-    def __init__(self, **spec):
-        self.spec = spec
+    def __init__(self, cls, **spec):
+        self.kind, self.spec = cls.__name__, spec
 
-    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, cum_seq_lens_q, out=None, validate=True):
-        assert self.spec["kv_layout"] == "NHD" and block_tables.dtype == torch.int32 and not validate
-        n = cum_seq_lens_q.numel() - 1
-        _GoldenOp.calls.append(int(cum_seq_lens_q[-1]) == n)  # a decode step: one token per request
-        o = paged_attention_prefill(q, k_cache, v_cache, block_tables[:n], seq_lens[:n], cum_seq_lens_q,
+    def plan(self, block_tables, seq_lens, validate=True):
+        assert block_tables.dtype == torch.int32 and not validate
+        return block_tables, seq_lens, torch.arange(seq_lens.numel() + 1, dtype=torch.int32)  # one token each
+
+    def run(self, q, k_cache, v_cache, plan, out):
+        return self._attend(q, k_cache, v_cache, *plan, out)
+
+    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, cum_seq_lens_q, out, validate=True):
+        assert block_tables.dtype == torch.int32 and not validate
+        return self._attend(q, k_cache, v_cache, block_tables, seq_lens, cum_seq_lens_q, out)
+
+    def _attend(self, q, k_cache, v_cache, block_tables, seq_lens, cum, out):
+        assert self.spec["kv_layout"] == "NHD"
+        _GoldenOp.calls.append(self.kind)
+        n = cum.numel() - 1
+        o = paged_attention_prefill(q, k_cache, v_cache, block_tables[:n], seq_lens[:n], cum,
                                     scale=self.spec["scale"], kv_layout="NHD")
         out[:o.shape[0]] = o
         return out
@@ -50,7 +63,7 @@ class _GoldenOp:
 def test_continuous_batching_matches_paged_sdpa_on_cpu(monkeypatch):
     from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    monkeypatch.setattr(hf_paged, "op_instance", lambda cls, **spec: _GoldenOp(**spec))
+    monkeypatch.setattr(hf_paged, "op_instance", lambda cls, **spec: _GoldenOp(cls, **spec))
     _GoldenOp.calls = []
     impl = hf_paged.register()
     torch.manual_seed(0)
@@ -68,7 +81,8 @@ def test_continuous_batching_matches_paged_sdpa_on_cpu(monkeypatch):
         outs = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
         tokens[name] = [list(outs[rid].generated_tokens) for rid in sorted(outs, key=lambda r: int(r.split("_")[-1]))]
     assert tokens[impl] == tokens["paged|sdpa"] and all(len(t) == 8 for t in tokens[impl])
-    assert True in _GoldenOp.calls and False in _GoldenOp.calls  # decode steps and varlen steps both ran
+    # steps with prompt tokens ran the prefill, steps of one new token per request the decode op
+    assert {"PagedAttentionPrefillTileLang", "PagedAttentionDecodeTileLang"} <= set(_GoldenOp.calls)
 
 
 @pytest.mark.gpu

@@ -136,3 +136,18 @@ def autotune_case(num_heads=H, num_kv_heads=HKV, head_dim=D, page_size=16, num_s
 
 
 AUTOTUNE = {PagedAttentionPrefillTileLang.op_name: autotune_case}
+
+
+def _shared_gpu_case(q_lens, histories, page_size):
+    """One prefill call (no host sync) of a bench batch."""
+    def make():
+        batch = paged_inputs(q_lens, histories, page_size)
+        op = PagedAttentionPrefillTileLang(H, HKV, D, page_size, torch.bfloat16)
+        out = torch.empty_like(batch["q"])
+        return lambda: op(**batch, out=out, validate=False)
+    return make
+
+
+# scripts/shared_gpu.py: the prefill while another stream holds some SMs
+SHARED_GPU = {"paged_prefill (a) 4 x 4096 new, no history, page 64": _shared_gpu_case([4096] * 4, [0] * 4, 64),
+              "paged_prefill (b) 4 x 1024 new, 15360 history, page 16": _shared_gpu_case([1024] * 4, [15360] * 4, 16)}
