@@ -14,6 +14,11 @@ Per request b with L = seq_lens[b] tokens (scale defaults to head_dim ** -0.5):
              the local tokens give o_loc, lse_loc; w = softmax([z_1..z_K, lse_loc]);
              o = sum_k w_k o_k + w_loc o_loc.
   A request with nothing to attend to (no selected page, no local token) gets o = 0.
+
+HSA extend (``hsa_extend``): a chunk of q_len new tokens per request (packed, cum_seq_lens_q as in paged prefill),
+seq_lens including them. New token i of request b sits at position p = seq_lens[b] - q_len + i and is answered
+exactly as a decode of request b with seq_len p + 1 and that token's query (so causality holds, and q_len = 1 is
+decode).
 """
 
 from __future__ import annotations
@@ -131,6 +136,26 @@ def hsa_decode(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, page_siz
                 w = torch.softmax(torch.stack(logits, dim=-1), dim=-1)  # [G, chunks]
                 o[b, h] = torch.einsum("gc,cgd->gd", w, torch.stack(outs))
     return o.view(B, Hq, D).to(q.dtype), selected_page_ids, scores
+
+
+def extend_rows(seq_lens, cum_seq_lens_q):
+    """Each new token of an extend batch as a decode row: (its request [total_q] int64, its decode seq_len p + 1
+    [total_q] int32)."""
+    q_lens = (cum_seq_lens_q[1:] - cum_seq_lens_q[:-1]).long()
+    req = torch.repeat_interleave(torch.arange(q_lens.numel(), device=q_lens.device), q_lens)
+    first = cum_seq_lens_q[:-1].long()[req]
+    pos = seq_lens.long()[req] - q_lens[req] + torch.arange(req.numel(), device=req.device) - first
+    return req, (pos + 1).to(torch.int32)
+
+
+def hsa_extend(q, k_buffer, v_buffer, page_table, seq_lens, cum_seq_lens_q, chunk_repr, page_size, topk,
+               selection_strategy="group", window_size=0, combine="softmax", repr_valid=None, scale=None):
+    """-> (o [total_q, num_heads, head_dim] in q's dtype, selected_page_ids [total_q, Hkv, topk]): every new token
+    through ``hsa_decode`` as its own request (see the module docstring)."""
+    req, row_lens = extend_rows(seq_lens, cum_seq_lens_q)
+    o, ids, _ = hsa_decode(q, k_buffer, v_buffer, page_table[req], row_lens, chunk_repr, page_size, topk,
+                           selection_strategy, window_size, combine, repr_valid, scale=scale)
+    return o, ids
 
 
 def random_case(seq_lens, num_heads, num_kv_heads, head_dim, page_size, dtype=torch.float32, device="cpu",

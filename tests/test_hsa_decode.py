@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from golden.hsa_decode import hsa_decode, page_repr, random_case, select_pages
+from golden.hsa_decode import extend_rows, hsa_decode, hsa_extend, page_repr, random_case, select_pages
 from ops.common.validate import check_values
 from ops.hsa import HSADecodeTileLang, HSAPageReprTileLang
 from ops.hsa.schedule import ZCOLS, num_splits
@@ -98,6 +98,50 @@ def test_golden_matches_float64_definition(strategy, combine, case):
     assert torch.equal(ids, ids_ref)
     assert torch.isneginf(scores[ids < 0]).all() and torch.isfinite(scores[ids >= 0]).all()
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("strategy", ["group", "head"])
+@pytest.mark.parametrize("combine", ["softmax", "token"])
+def test_golden_extend_is_a_decode_per_new_token(strategy, combine):
+    """hsa_extend against the float64 decode definition run token by token: new token i of request b at position
+    p = seq_len - q_len + i is a decode of b with seq_len p + 1 and that token's query. Ragged chunks: 0 new
+    tokens, a whole request (no history), chunks across page boundaries, a window of several pages."""
+    torch.manual_seed(7 + len(strategy) + len(combine))
+    seq_lens, q_lens = [37, 5, 64, 20, 81], [5, 0, 17, 20, 9]
+    inputs = random_case(seq_lens, num_heads=6, num_kv_heads=2, head_dim=16, page_size=8, dtype=torch.float64,
+                         invalid_frac=0.2)
+    cum = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cum[-1]), 6, 16, dtype=torch.float64)
+    kw = dict(page_size=8, topk=3, window_size=13, combine=combine)
+    o, ids = hsa_extend(q, inputs["k_buffer"], inputs["v_buffer"], inputs["page_table"], inputs["seq_lens"], cum,
+                        inputs["chunk_repr"], selection_strategy=strategy, repr_valid=inputs["repr_valid"], **kw)
+    assert o.shape == q.shape and ids.shape == (q.shape[0], 2, 3)
+    t = 0
+    for b, (L, n) in enumerate(zip(seq_lens, q_lens)):
+        for i in range(n):
+            o_ref, ids_ref = reference(q[t:t + 1], inputs["k_buffer"], inputs["v_buffer"], inputs["page_table"][b:b + 1],
+                                       torch.tensor([L - n + i + 1], dtype=torch.int32), inputs["chunk_repr"],
+                                       strategy=strategy, repr_valid=inputs["repr_valid"], **kw)
+            assert torch.equal(ids[t:t + 1], ids_ref)
+            torch.testing.assert_close(o[t:t + 1], o_ref, rtol=1e-10, atol=1e-10)
+            t += 1
+
+
+def test_golden_extend_of_one_token_is_decode():
+    """q_len = 1 for every request: hsa_extend equals hsa_decode of the same batch."""
+    torch.manual_seed(3)
+    inputs = random_case([37, 5, 64, 20], num_heads=4, num_kv_heads=2, head_dim=16, page_size=8, invalid_frac=0.1)
+    cum = torch.arange(5, dtype=torch.int32)
+    kw = dict(page_size=8, topk=2, window_size=9)
+    o, ids = hsa_extend(cum_seq_lens_q=cum, **inputs, **kw)
+    o_dec, ids_dec, _ = hsa_decode(**inputs, **kw)
+    assert torch.equal(ids, ids_dec) and torch.equal(o, o_dec)
+
+
+def test_extend_rows():
+    """Each new token's request and decode length: request 0 adds 2 of 5, request 1 none, request 2 all 3."""
+    req, lens = extend_rows(torch.tensor([5, 4, 3], dtype=torch.int32), torch.tensor([0, 2, 2, 5]))
+    assert req.tolist() == [0, 0, 2, 2, 2] and lens.tolist() == [4, 5, 1, 2, 3]
 
 
 def test_golden_ties_go_to_smaller_logical_page():
