@@ -8,7 +8,7 @@ reference in ``golden``; the shared machinery (runtime, validation, op protocol)
 """
 
 from .common import runtime  # noqa: F401  (sets up the kernel cache before any kernel module imports TileLang)
-from .hsa import HSADecodeTileLang, HSAPageReprTileLang, hsa_decode, hsa_page_repr, hsa_select
+from .hsa import HSADecodeTileLang, HSAExtendTileLang, HSAPageReprTileLang, hsa_decode, hsa_page_repr, hsa_select
 from .htree import HTreeBackwardTileLang, HTreeForwardTileLang, htree_attention
 from .mhc import (MHCBackwardPreTileLang, MHCForwardPreTileLang, MHCPostBackwardTileLang, MHCPostPreTileLang,
                   MHCPostTileLang, mhc_post, mhc_post_pre, mhc_pre)
@@ -20,6 +20,6 @@ __all__ = [
     "MHCPostTileLang", "MHCPostBackwardTileLang", "mhc_post", "MHCPostPreTileLang", "mhc_post_pre",
     "PagedAttentionPrefillTileLang", "paged_attention_prefill",
     "PagedAttentionDecodeTileLang", "paged_attention_decode",
-    "HSADecodeTileLang", "HSAPageReprTileLang", "hsa_decode", "hsa_select", "hsa_page_repr",
+    "HSADecodeTileLang", "HSAExtendTileLang", "HSAPageReprTileLang", "hsa_decode", "hsa_select", "hsa_page_repr",
     "HTreeForwardTileLang", "HTreeBackwardTileLang", "htree_attention",
 ]

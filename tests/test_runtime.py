@@ -137,7 +137,7 @@ def test_every_op_follows_the_protocol():
 
     ops = registry()
     assert set(ops) == {"mhc_pre", "mhc_pre_bwd", "mhc_post", "mhc_post_bwd", "mhc_post_pre", "paged_prefill",
-                        "hsa_decode", "hsa_page_repr", "htree", "htree_bwd"}
+                        "paged_decode", "hsa_decode", "hsa_extend", "hsa_page_repr", "htree", "htree_bwd"}
     for name, cls in ops.items():
         assert issubclass(cls, Op) and cls.op_name == name and op_class(name) is cls
         assert cls.warm_specs and all(isinstance(s, dict) for s in cls.warm_specs), name

@@ -1,0 +1,111 @@
+"""HSA extend (`HSAExtendTileLang`): sparse attention for chunks of new tokens over SGLang's paged cache (a prompt
+or a chunked prefill on top of each request's cached history), ragged batches packed as in paged prefill. Every new
+token is answered exactly as a decode of its request at its position (``golden.hsa_decode.hsa_extend``).
+
+This version runs HSA decode's kernels with one decode row per new token: ``plan`` turns the batch into rows (each
+new token's request's page-table row and its decode length p + 1, on the device, no host sync) and ``run`` launches
+the decode's score, top-k, split decode and combine kernels over them. It is the decode semantics by construction;
+what it costs beyond a dedicated extend kernel: the page-table rows copied once per token, and each token scoring
+its request's reprs on its own instead of one GEMM of the chunk's queries against them (docs/design/hsa.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..common.protocol import Op
+from ..common.validate import check_bool, check_tensor, check_values
+from .decode import BENCH_SPEC, HSADecodeTileLang
+
+
+@dataclass(frozen=True)
+class ExtendPlan:
+    """An extend batch as decode rows (``HSAExtendTileLang.plan``): per new token its request's page-table row
+    [total_q, max_pages] and its decode length [total_q] (int32)."""
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    total_q: int
+
+
+class HSAExtendTileLang(Op):
+    """``op(q, k_buffer, v_buffer, page_table, seq_lens, cum_seq_lens_q, chunk_repr, repr_valid=None, out=None,
+    return_selection=False, validate=True) -> o`` (with ``return_selection``: ``(o, selected_page_ids)``), the same as
+    ``op.run(q, k_buffer, v_buffer, chunk_repr, op.plan(page_table, seq_lens, cum_seq_lens_q, q.shape[0],
+    chunk_repr.shape[0]), ...)``.
+
+    q ``[total_q, num_heads, head_dim]``: the new tokens of all requests, request b's in rows
+    ``cum_seq_lens_q[b] .. cum_seq_lens_q[b + 1]``; ``seq_lens [B]`` each request's length including its new tokens
+    (its K/V and the reprs of the pages they completed written before the call); the cache tensors as HSA decode's.
+    selected_page_ids ``[total_q, num_kv_heads, topk]`` int32 (-1: none). ``validate=True`` checks the values (the
+    decode's, and cum_seq_lens_q: starts at 0, non-decreasing, ends at total_q, q_len <= seq_len) in one host sync;
+    ``validate=False`` skips them (CUDA-graph capturable). The constructor is HSA decode's."""
+
+    op_name = "hsa_extend"
+    warm_specs = (BENCH_SPEC,)
+
+    @classmethod
+    def default_config(cls, spec: dict) -> dict:
+        return HSADecodeTileLang.default_config(spec)
+
+    @classmethod
+    def config_space(cls, spec: dict) -> list[dict]:
+        """Nothing for the autotuner (the decode's split count is host-side)."""
+        return []
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, topk: int,
+                 dtype: torch.dtype, selection_strategy: str = "group", window_size: int = 0,
+                 combine: str = "softmax", scale: float | None = None, config: dict | None = None):
+        self.decode = HSADecodeTileLang(num_heads, num_kv_heads, head_dim, page_size, topk, dtype,
+                                        selection_strategy, window_size, combine, scale, config)
+        self.dtype, self.spec, self.config = dtype, self.decode.spec, self.decode.config
+
+    def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, cum_seq_lens_q: torch.Tensor, total_q: int,
+             num_pages: int | None = None, validate: bool = True) -> ExtendPlan:
+        """The batch as decode rows (device ops). With ``validate``, the value checks in one host sync: the batch
+        layout, and with ``num_pages`` (chunk_repr's rows) also the decode's (seq_lens and page ids in range)."""
+        check_bool("validate", validate)
+        check_tensor("page_table", page_table, torch.int32, (None, None))
+        B, dev = page_table.shape[0], page_table.device
+        check_tensor("seq_lens", seq_lens, torch.int32, (B,), device=dev)
+        check_tensor("cum_seq_lens_q", cum_seq_lens_q, torch.int32, (B + 1,), device=dev)
+        if not isinstance(total_q, int) or total_q < 0:
+            raise ValueError(f"total_q: expected a non-negative int (q.shape[0]), got {total_q!r}")
+        q_lens = cum_seq_lens_q[1:] - cum_seq_lens_q[:-1]
+        if validate:
+            checks = [(f"cum_seq_lens_q: expected to start at 0, never decrease and end at total_q = {total_q}",
+                       torch.cat([cum_seq_lens_q[:1] == 0, q_lens >= 0, cum_seq_lens_q[-1:] == total_q])),
+                      ("cum_seq_lens_q / seq_lens: expected each request's new tokens (q_len) <= its seq_len",
+                       q_lens <= seq_lens)]
+            if num_pages is not None:
+                checks += self.decode._value_checks(page_table, seq_lens, num_pages)
+            check_values(checks)
+        rows = torch.arange(total_q, device=dev, dtype=torch.int32)
+        req = torch.searchsorted(cum_seq_lens_q[1:], rows, right=True).clamp_(max=max(B - 1, 0))
+        pos = seq_lens[req] - q_lens[req] + rows - cum_seq_lens_q[req]
+        return ExtendPlan(page_table[req], (pos + 1).to(torch.int32), total_q)
+
+    def run(self, q, k_buffer, v_buffer, chunk_repr, plan: ExtendPlan, repr_valid=None, out=None,
+            return_selection: bool = False):
+        """The planned batch (no host sync): the decode's selection and attention over the rows."""
+        check_bool("return_selection", return_selection)
+        if not isinstance(plan, ExtendPlan):
+            raise TypeError(f"plan: expected an ExtendPlan (from op.plan), got {type(plan).__name__}")
+        check_tensor("q", q, self.dtype, (plan.total_q, self.spec["num_heads"], self.spec["head_dim"]))
+        if plan.total_q == 0:
+            out = torch.empty_like(q) if out is None else out
+            ids = torch.empty(0, self.spec["num_kv_heads"], self.spec["topk"], dtype=torch.int32, device=q.device)
+            return (out, ids) if return_selection else out
+        ids, _ = self.decode.select(q, plan.page_table, plan.seq_lens, chunk_repr, repr_valid, validate=False)
+        out = self.decode(q, k_buffer, v_buffer, plan.page_table, plan.seq_lens, chunk_repr, repr_valid,
+                          selected_page_ids=ids, out=out, validate=False)
+        return (out, ids) if return_selection else out
+
+    def __call__(self, q, k_buffer, v_buffer, page_table, seq_lens, cum_seq_lens_q, chunk_repr, repr_valid=None,
+                 out=None, return_selection: bool = False, validate: bool = True):
+        check_tensor("q", q, self.dtype, (None, self.spec["num_heads"], self.spec["head_dim"]))
+        check_tensor("chunk_repr", chunk_repr, self.dtype, (None, self.spec["num_kv_heads"], self.spec["head_dim"]),
+                     device=q.device)
+        plan = self.plan(page_table, seq_lens, cum_seq_lens_q, q.shape[0], chunk_repr.shape[0], validate)
+        return self.run(q, k_buffer, v_buffer, chunk_repr, plan, repr_valid, out, return_selection)

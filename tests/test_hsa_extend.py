@@ -1,0 +1,106 @@
+"""HSAExtendTileLang on the CPU: the plan's decode rows against the golden's, the run's glue with the golden in
+place of the decode's kernels (it must give golden.hsa_decode.hsa_extend), and the value checks (the golden itself
+is checked against the float64 decode definition token by token in test_hsa_decode.py)."""
+
+import pytest
+import torch
+
+from golden.hsa_decode import extend_rows, hsa_decode, hsa_extend, random_case, select_pages
+import ops.hsa.extend as extend_module
+from ops.hsa import HSAExtendTileLang
+
+# the spec of test_hsa_decode.py's COMPILE_SPECS[0]: its kernels are built there
+SPEC = dict(num_heads=4, num_kv_heads=4, head_dim=64, page_size=16, topk=8, dtype=torch.float16,
+            selection_strategy="group", window_size=0, combine="softmax", config={"split_overhead": 0})
+
+
+@pytest.fixture(scope="module")
+def op():
+    return HSAExtendTileLang(**SPEC)
+
+
+@pytest.fixture(autouse=True)
+def cpu_tensors_ok(monkeypatch):
+    """Lets the op's checks run on CPU tensors: only the CUDA-device error is waived."""
+    real = extend_module.check_tensor
+
+    def check(name, t, *args, **kwargs):
+        try:
+            real(name, t, *args, **kwargs)
+        except ValueError as e:
+            if "expected a CUDA tensor" not in str(e):
+                raise
+
+    monkeypatch.setattr(extend_module, "check_tensor", check)
+
+
+def _batch(seq_lens=(70, 16, 40, 5), q_lens=(20, 0, 40, 1)):
+    torch.manual_seed(0)
+    case = random_case(list(seq_lens), num_heads=4, num_kv_heads=4, head_dim=64, page_size=16, dtype=torch.float16,
+                       invalid_frac=0.1)
+    cum = torch.tensor((0,) + tuple(q_lens)).cumsum(0).to(torch.int32)
+    case["q"] = torch.randn(int(cum[-1]), 4, 64).to(torch.float16)
+    case["cum_seq_lens_q"] = cum
+    return case
+
+
+class _GoldenDecode:
+    """HSADecodeTileLang's select and call as extend's run uses them, computed by the golden."""
+
+    def select(self, q, page_table, seq_lens, chunk_repr, repr_valid=None, validate=True):
+        return select_pages(q, page_table, seq_lens, chunk_repr, 16, 8, "group", 0, repr_valid)
+
+    def __call__(self, q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid=None,
+                 selected_page_ids=None, out=None, validate=True):
+        o, _, _ = hsa_decode(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, 16, 8,
+                             selected_page_ids=selected_page_ids)
+        return o
+
+
+@pytest.mark.compile
+def test_plan_rows_are_the_goldens(op):
+    b = _batch()
+    plan = op.plan(b["page_table"], b["seq_lens"], b["cum_seq_lens_q"], b["q"].shape[0], b["chunk_repr"].shape[0])
+    req, lens = extend_rows(b["seq_lens"], b["cum_seq_lens_q"])
+    assert torch.equal(plan.page_table, b["page_table"][req]) and torch.equal(plan.seq_lens, lens)
+    assert plan.page_table.dtype == plan.seq_lens.dtype == torch.int32
+
+
+@pytest.mark.compile
+def test_run_is_the_golden_extend(op, monkeypatch):
+    b = _batch()
+    monkeypatch.setattr(op, "decode", _GoldenDecode())
+    o, ids = op(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], b["cum_seq_lens_q"],
+                b["chunk_repr"], b["repr_valid"], return_selection=True, validate=False)
+    o_ref, ids_ref = hsa_extend(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"],
+                                b["cum_seq_lens_q"], b["chunk_repr"], 16, 8, repr_valid=b["repr_valid"])
+    assert torch.equal(ids, ids_ref) and torch.equal(o, o_ref)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("cum,seq_lens,match", [
+    ([1, 21, 21, 61, 62], None, "cum_seq_lens_q: expected to start at 0"),
+    ([0, 30, 20, 61, 61], None, "never decrease"),
+    ([0, 20, 20, 60, 60], None, "end at total_q = 61"),
+    ([0, 20, 20, 60, 61], [70, 16, 39, 5], r"q_len\) <= its seq_len"),
+    ([0, 20, 20, 60, 61], [70, 0, 40, 5], "seq_lens: expected values in"),
+])
+def test_value_checks(op, cum, seq_lens, match):
+    b = _batch()
+    sl = b["seq_lens"] if seq_lens is None else torch.tensor(seq_lens, dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        op.plan(b["page_table"], sl, torch.tensor(cum, dtype=torch.int32), 61, b["chunk_repr"].shape[0])
+
+
+@pytest.mark.compile
+def test_rejects_bad_types(op):
+    b = _batch()
+    with pytest.raises(TypeError, match="cum_seq_lens_q"):
+        op.plan(b["page_table"], b["seq_lens"], b["cum_seq_lens_q"].long(), 61)
+    with pytest.raises(ValueError, match="total_q"):
+        op.plan(b["page_table"], b["seq_lens"], b["cum_seq_lens_q"], -1)
+    plan = op.plan(b["page_table"], b["seq_lens"], b["cum_seq_lens_q"], 61)
+    with pytest.raises(ValueError, match="q"):
+        op.run(b["q"][:60], b["k_buffer"], b["v_buffer"], b["chunk_repr"], plan)
+    with pytest.raises(TypeError, match="plan"):
+        op.run(b["q"], b["k_buffer"], b["v_buffer"], b["chunk_repr"], (plan.page_table, plan.seq_lens))

@@ -1,0 +1,96 @@
+"""HSA extend on the GPU: compiled vs golden.hsa_decode.hsa_extend on ragged chunks over paged histories (outputs
+poisoned with NaN), both strategies and combines, windows of 0, less than a page and several pages, stale reprs,
+top-k above the candidates, histories of 0 and less than a page, q_len = 1 against the decode op, and CUDA-graph
+capture of plan + run with validation off."""
+
+import pytest
+import torch
+
+from golden.hsa_decode import hsa_extend, random_case
+from ops.hsa import HSADecodeTileLang, HSAExtendTileLang
+
+pytestmark = pytest.mark.gpu
+
+SPECS = {
+    "bench": dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=64, topk=64, dtype=torch.bfloat16,
+                  selection_strategy="group", window_size=512, combine="softmax"),
+    "head_token": dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=32, topk=4, dtype=torch.float16,
+                       selection_strategy="head", window_size=20, combine="token"),  # window below a page
+    "no_window": dict(num_heads=16, num_kv_heads=1, head_dim=64, page_size=16, topk=300, dtype=torch.bfloat16,
+                      selection_strategy="group", window_size=0, combine="softmax"),  # topk above the candidates
+}
+# (history, new tokens) per request: no history, history below a page, chunks across pages, a request with no new
+# token, long histories
+BATCHES = {
+    "bench": [(0, 700), (50, 64), (4000, 129), (9000, 0), (20000, 333)],
+    "head_token": [(0, 1), (17, 40), (300, 100), (2000, 7)],
+    "no_window": [(5, 3), (1000, 200), (0, 33), (3000, 1)],
+}
+TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=4e-3, rtol=4e-3)}
+_OPS = {}
+
+
+def get_op(name):
+    if name not in _OPS:
+        _OPS[name] = HSAExtendTileLang(**SPECS[name])
+    return _OPS[name]
+
+
+def make_batch(name, seed, invalid_frac=0.1):
+    torch.manual_seed(seed)
+    s = SPECS[name]
+    hist_new = BATCHES[name]
+    case = random_case([h + n for h, n in hist_new], s["num_heads"], s["num_kv_heads"], s["head_dim"], s["page_size"],
+                       dtype=s["dtype"], device="cuda", invalid_frac=invalid_frac)
+    cum = torch.tensor([0] + [n for _, n in hist_new]).cumsum(0).to(torch.int32).cuda()
+    case["q"] = torch.randn(int(cum[-1]), s["num_heads"], s["head_dim"], device="cuda").to(s["dtype"])
+    case["cum_seq_lens_q"] = cum
+    return case
+
+
+def golden_of(name, b):
+    s = SPECS[name]
+    return hsa_extend(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], b["cum_seq_lens_q"],
+                      b["chunk_repr"], s["page_size"], s["topk"], s["selection_strategy"], s["window_size"],
+                      s["combine"], b["repr_valid"])
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_extend_matches_golden(name, poisoned):
+    op, b = get_op(name), make_batch(name, seed=1)
+    with poisoned():
+        o, ids = op(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], b["cum_seq_lens_q"],
+                    b["chunk_repr"], b["repr_valid"], return_selection=True)
+    o_ref, ids_ref = golden_of(name, b)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(o.float(), o_ref.float(), **TOL[SPECS[name]["dtype"]])
+
+
+def test_one_new_token_is_decode():
+    """q_len = 1 for every request: bitwise the decode op's output on the same batch."""
+    name = "head_token"
+    torch.manual_seed(2)
+    s = SPECS[name]
+    case = random_case([1, 40, 700, 2000], s["num_heads"], s["num_kv_heads"], s["head_dim"], s["page_size"],
+                       dtype=s["dtype"], device="cuda", invalid_frac=0.1)
+    cum = torch.arange(5, dtype=torch.int32, device="cuda")
+    o = get_op(name)(case["q"], case["k_buffer"], case["v_buffer"], case["page_table"], case["seq_lens"], cum,
+                     case["chunk_repr"], case["repr_valid"])
+    assert torch.equal(o, HSADecodeTileLang(**s)(**case))
+
+
+def test_cuda_graph_capture_with_validation_off():
+    name = "bench"
+    op, b = get_op(name), make_batch(name, seed=3)
+    plan = op.plan(b["page_table"], b["seq_lens"], b["cum_seq_lens_q"], b["q"].shape[0], validate=False)
+    out = torch.empty_like(b["q"])
+    op.run(b["q"], b["k_buffer"], b["v_buffer"], b["chunk_repr"], plan, b["repr_valid"], out=out)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op.run(b["q"], b["k_buffer"], b["v_buffer"], b["chunk_repr"], plan, b["repr_valid"], out=out)
+    b["q"].copy_(torch.randn_like(b["q"]))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    o_ref, _ = golden_of(name, b)
+    torch.testing.assert_close(out.float(), o_ref.float(), **TOL[SPECS[name]["dtype"]])
