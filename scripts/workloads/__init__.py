@@ -26,6 +26,36 @@ def peer_module(path):
     return mod
 
 
+def sdpa_decode_peers(b, op: str, workload: str, batch_size: int, num_heads: int, num_kv_heads: int,
+                      head_dim: int, seq_len: int, nbytes: float):
+    """SDPA's decode (one bf16 query token per sequence over a context of ``seq_len`` stored contiguously,
+    [B, Hkv, S, D], GQA) per backend, each a row of ``op`` / ``workload`` moving ``nbytes``; the fastest's ms, or
+    None. A backend that cannot run the case is reported, not fatal."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(batch_size, num_heads, 1, head_dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch_size, num_kv_heads, seq_len, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    best = None
+    for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION),
+                          ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def run(backend=backend):
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        try:
+            run()
+            ms = b.time(run)
+        except RuntimeError as e:
+            print(f"{workload}: {name} unavailable ({str(e).splitlines()[0][:80]})")
+            continue
+        b.row(op, workload, name, ms, bytes=nbytes)
+        best = ms if best is None else min(best, ms)
+    del q, k, v
+    torch.cuda.empty_cache()
+    return best
+
+
 def tilekernels_mhc():
     """DeepSeek TileKernels' mHC functions (``tile_kernels.modeling.mhc.functional``) from a copy of its repository
     in ``.peers/TileKernels`` (not ours to ship), or None. Only the mHC modules are imported: the package's own

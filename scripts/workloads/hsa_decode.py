@@ -5,6 +5,7 @@ import torch
 
 from golden.hsa_decode import hsa_decode, local_range, random_case
 from ops.hsa import HSADecodeTileLang, HSAPageReprTileLang
+from scripts.workloads import sdpa_decode_peers
 
 OP = "HSADecodeTileLang"
 H, HKV, D, PS, TOPK, WINDOW = 32, 8, 128, 64, 64, 512
@@ -76,30 +77,6 @@ def torch_select(q, page_table, seq_lens, chunk_repr):
     return torch.topk(s, TOPK, dim=-1)
 
 
-def _dense_peers(b, workload, seq_len, batch_size):
-    """SDPA decode over the full context stored contiguously ([B, Hkv, S, D], GQA), per backend."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q = torch.randn(batch_size, H, 1, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(batch_size, HKV, seq_len, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    best = None
-    for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION),
-                          ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION)):
-        def run(backend=backend):
-            with sdpa_kernel([backend]):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        try:
-            ms = b.time(run)
-        except RuntimeError as e:  # a backend that cannot run this case is reported, not fatal
-            print(f"{workload}: {name} unavailable ({str(e).splitlines()[0][:80]})")
-            continue
-        b.row(OP, workload, name, ms, bytes=2 * k.numel() * k.element_size())
-        best = ms if best is None else min(best, ms)
-    del q, k, v
-    return best
-
-
 def bench(b):
     def case(workload, seq_lens, speedup=None):
         batch = paged_batch(seq_lens)
@@ -126,10 +103,10 @@ def bench(b):
         del batch, out, graph
         torch.cuda.empty_cache()
         if speedup is not None:
-            best = _dense_peers(b, workload, seq_lens[0], len(seq_lens))
+            B, S = len(seq_lens), seq_lens[0]
+            best = sdpa_decode_peers(b, OP, workload, B, H, HKV, D, S, nbytes=2 * B * HKV * S * D * 2)
             if best is not None:
                 b.target(OP, workload, f">= {speedup}x faster than the fastest dense SDPA decode", best / ms >= speedup)
-            torch.cuda.empty_cache()
 
     if b.quick:
         case("(a) quick: B=4, seq_len 16384", [16384] * 4, speedup=15)

@@ -6,6 +6,7 @@ import torch
 
 from golden.paged_decode import paged_attention_decode
 from ops.paged_decode import PagedAttentionDecodeTileLang
+from scripts.workloads import sdpa_decode_peers
 
 OP = "PagedAttentionDecodeTileLang"
 H, HKV, D = 32, 8, 128
@@ -64,36 +65,11 @@ def demo_cases(device: str) -> list[dict]:
     return cases
 
 
-def _sdpa_peers(b, workload, batch_size, seq_len):
-    """{backend: ms} of SDPA decode over the same context stored contiguously ([B, Hkv, S, D], GQA)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    q = torch.randn(batch_size, H, 1, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(batch_size, HKV, seq_len, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    times = {}
-    for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION),
-                          ("sdpa-efficient", SDPBackend.EFFICIENT_ATTENTION)):
-        def run(backend=backend):
-            with sdpa_kernel([backend]):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        try:
-            run()
-            times[name] = b.time(run)
-        except RuntimeError as e:  # a backend that cannot run this case is reported, not fatal
-            print(f"{workload}: {name} unavailable ({str(e).splitlines()[0][:80]})")
-    nbytes = kv_bytes(batch_size, seq_len, torch.bfloat16)
-    for name, ms in times.items():
-        b.row(OP, workload, name, ms, bytes=nbytes)
-    del q, k, v
-    torch.cuda.empty_cache()
-    return min(times.values(), default=None)
-
-
 def bench(b):
     shapes = [("(a)", 4, 2048)] if b.quick else [("(a)", 64, 8192), ("(b)", 8, 65536)]
     for tag, batch_size, seq_len in shapes:
-        best_sdpa = _sdpa_peers(b, f"{tag} B={batch_size} x {seq_len} SDPA contiguous", batch_size, seq_len)
+        best_sdpa = sdpa_decode_peers(b, OP, f"{tag} B={batch_size} x {seq_len} SDPA contiguous", batch_size, H, HKV,
+                                      D, seq_len, kv_bytes(batch_size, seq_len, torch.bfloat16))
         for page_size in (16, 64):
             bf16_ms = None
             for kv_dtype in (torch.bfloat16, FP8):
