@@ -128,7 +128,10 @@ def _shared_gpu_case(seq_lens):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             op(**batch, out=out, validate=False)
-        return graph.replay
+
+        def replay(inputs=(batch, out)):  # the graph reads and writes these tensors: keep them alive
+            graph.replay()
+        return replay
     return make
 
 
