@@ -88,20 +88,22 @@ def _check_steps(model, prompt, tokens, logprobs):
     return errs, len(clear), sum(tokens[t] == best[t] for t in clear), margin
 
 
-def compare(model, prompts, ours: dict, ref: dict) -> dict:
+def compare(model, prompts, ours: dict, ref: dict) -> tuple[dict, dict]:
     """Ours against the reference (see the module docstring). Each engine's per-step log-probabilities are checked
     against the same teacher-forced reference (HF's plain sdpa forward on that engine's own tokens), so bf16
     tolerance is what HF's own ``paged|sdpa`` shows there: ours must stay within twice its worst error (and 0.1).
     ``ok``: every clear-margin step of ours chose the reference's token, every step's log-probability error is
     within that bound, every request got all its tokens, and the two engines' tokens agree up to each request's
-    first near-tie (past it they may legitimately differ)."""
-    ours_errs, ref_errs, clear = [], [], 0
+    first near-tie (past it they may legitimately differ). Also returns the reference's top-1 margins at each of
+    our steps, per request (what a tensor-parallel run is compared with)."""
+    ours_errs, ref_errs, clear, margins = [], [], 0, {}
     chosen_ok = tokens_cmp = tokens_ok = 0
     complete = True
     for i, prompt in enumerate(prompts):
         toks, lps = ours[i]
         complete &= len(lps) == len(toks) == len(ref[i][0])
         errs, n_clear, n_ok, margin = _check_steps(model, prompt, toks, lps)
+        margins[i] = margin
         ours_errs += errs
         clear += n_clear
         chosen_ok += n_ok
@@ -116,7 +118,7 @@ def compare(model, prompts, ours: dict, ref: dict) -> dict:
                 worst_logprob_err=max(ours_errs), mean_logprob_err=sum(ours_errs) / len(ours_errs),
                 ref_worst_logprob_err=max(ref_errs), ref_mean_logprob_err=sum(ref_errs) / len(ref_errs),
                 logprob_bound=bound, ref_tokens_compared=tokens_cmp, ref_tokens_matching=tokens_ok,
-                ok=complete and chosen_ok == clear and max(ours_errs) <= bound and tokens_ok == tokens_cmp)
+                ok=complete and chosen_ok == clear and max(ours_errs) <= bound and tokens_ok == tokens_cmp), margins
 
 
 def _tensor_parallel_model(layers: int):
@@ -188,10 +190,10 @@ def main():
                   f"near-tie)")
         dist.barrier()
         return
-    print("comparison:", compare(model, prompts, ours, ref))
+    summary, margins = compare(model, prompts, ours, ref)
+    print("comparison:", summary)
     if args.save:
-        saved = {i: (toks, _check_steps(model, prompts[i], toks, lps)[3]) for i, (toks, lps) in ours.items()}
-        pathlib.Path(args.save).write_text(json.dumps(saved))
+        pathlib.Path(args.save).write_text(json.dumps({i: (toks, margins[i]) for i, (toks, _) in ours.items()}))
 
 
 if __name__ == "__main__":

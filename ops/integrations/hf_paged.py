@@ -122,7 +122,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     v_cache.index_copy_(0, write_index, value[0].transpose(0, 1))
     q = query[0].transpose(0, 1).contiguous()
     k_pages, v_pages = (c.view(-1, bs, num_kv_heads, head_dim) for c in (k_cache, v_cache))
+    if decode:  # every row is a request's token
+        return op.run(q, k_pages, v_pages, plan), None
     out = torch.zeros_like(q)  # rows of graph padding belong to no request and stay zero
-    if decode:
-        return op.run(q, k_pages, v_pages, plan, out=out), None
     return op(q, k_pages, v_pages, *plan, out=out, validate=False), None
