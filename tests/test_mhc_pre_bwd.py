@@ -503,9 +503,15 @@ def test_mhc_pre_torch_compile(n, D):
     """torch.compile(fullgraph=True) over a training step's forward and backward through mhc_pre: no graph
     break, the eager op's outputs and (within rounding of the loss's own gradients) its gradients."""
     inputs, grads = make_inputs(2, 500, n, D, device="cuda")
+    comp_grads = _compiled_step_matches_eager(inputs, grads)
+    assert_close(comp_grads, mhc_backward_pre_autograd(*inputs, *grads))
 
+
+def _compiled_step_matches_eager(inputs, grads, **pre_kwargs):
+    """A training step through mhc_pre, eager and under torch.compile(fullgraph=True): the outputs bitwise equal,
+    the gradients of the same shapes and dtypes within 1e-5 (the loss's own rounding); returns the compiled ones."""
     def step(x, phi, alpha, bias):
-        h_in, h_post, h_res = mhc_pre(x, phi, alpha, bias)
+        h_in, h_post, h_res = mhc_pre(x, phi, alpha, bias, **pre_kwargs)
         loss = sum((o.float() * g).sum() for o, g in zip((h_in, h_post, h_res), grads))
         return (h_in, h_post, h_res), loss
 
@@ -521,7 +527,7 @@ def test_mhc_pre_torch_compile(n, D):
     for g, r in zip(comp_grads, eager_grads):
         assert g.shape == r.shape and g.dtype == r.dtype
         assert rel_err(g, r) <= 1e-5
-    assert_close(comp_grads, mhc_backward_pre_autograd(*inputs, *grads))
+    return comp_grads
 
 
 @pytest.mark.gpu
@@ -620,22 +626,5 @@ def test_mhc_pre_sinkhorn_torch_compile():
     break, the eager op's outputs bitwise and its gradients."""
     n, D = 4, 4096
     inputs, grads = make_inputs(2, 500, n, D, device="cuda")
-
-    def step(x, phi, alpha, bias):
-        h_in, h_post, h_res = mhc_pre(x, phi, alpha, bias, sinkhorn_iters=20)
-        loss = sum((o.float() * g).sum() for o, g in zip((h_in, h_post, h_res), grads))
-        return (h_in, h_post, h_res), loss
-
     torch._dynamo.reset()
-    results = []
-    for fn in (step, torch.compile(step, fullgraph=True)):
-        leaves = [t.clone().requires_grad_() for t in inputs]
-        outs, loss = fn(*leaves)
-        loss.backward()
-        results.append((outs, [t.grad for t in leaves]))
-    (eager_outs, eager_grads), (comp_outs, comp_grads) = results
-    for o, r in zip(comp_outs, eager_outs):
-        assert torch.equal(o, r)
-    for g, r in zip(comp_grads, eager_grads):
-        assert g.shape == r.shape and g.dtype == r.dtype
-        assert rel_err(g, r) <= 1e-5
+    _compiled_step_matches_eager(inputs, grads, sinkhorn_iters=20)
