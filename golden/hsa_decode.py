@@ -149,13 +149,14 @@ def extend_rows(seq_lens, cum_seq_lens_q):
 
 
 def hsa_extend(q, k_buffer, v_buffer, page_table, seq_lens, cum_seq_lens_q, chunk_repr, page_size, topk,
-               selection_strategy="group", window_size=0, combine="softmax", repr_valid=None, scale=None):
-    """-> (o [total_q, num_heads, head_dim] in q's dtype, selected_page_ids [total_q, Hkv, topk]): every new token
-    through ``hsa_decode`` as its own request (see the module docstring)."""
+               selection_strategy="group", window_size=0, combine="softmax", repr_valid=None, scale=None,
+               selected_page_ids=None):
+    """-> (o [total_q, num_heads, head_dim] in q's dtype, selected_page_ids [total_q, Hkv, topk], selected_scores):
+    every new token through ``hsa_decode`` as its own request (see the module docstring); given
+    ``selected_page_ids``, selection is skipped (scores are then None)."""
     req, row_lens = extend_rows(seq_lens, cum_seq_lens_q)
-    o, ids, _ = hsa_decode(q, k_buffer, v_buffer, page_table[req], row_lens, chunk_repr, page_size, topk,
-                           selection_strategy, window_size, combine, repr_valid, scale=scale)
-    return o, ids
+    return hsa_decode(q, k_buffer, v_buffer, page_table[req], row_lens, chunk_repr, page_size, topk,
+                      selection_strategy, window_size, combine, repr_valid, selected_page_ids, scale)
 
 
 def random_case(seq_lens, num_heads, num_kv_heads, head_dim, page_size, dtype=torch.float32, device="cpu",

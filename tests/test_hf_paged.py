@@ -31,24 +31,25 @@ def test_block_tables_from_positions():
 
 class _GoldenOp:
     """The ops as the adapter calls them, computed by the golden (what the adapter hands the kernels, checked on the
-    CPU): the prefill's one call op(q, k_cache, v_cache, tables, seq_lens, cum_seq_lens_q, out, validate) and the
-    decode's plan(tables, seq_lens, validate) then run(q, k_cache, v_cache, plan)."""
+    CPU): plan(tables, seq_lens[, cum_seq_lens_q], validate=False[, total_q]) then run(q, k_cache, v_cache, plan[,
+    out]); a decode plan has one token per request."""
 
     calls = []  # which op ran each layer of each step
 
     def __init__(self, cls, **spec):
         self.kind, self.spec = cls.__name__, spec
 
-    def plan(self, block_tables, seq_lens, validate=True):
+    def plan(self, block_tables, seq_lens, cum_seq_lens_q=None, validate=True, total_q=None):
         assert block_tables.dtype == torch.int32 and not validate
-        return block_tables, seq_lens, torch.arange(seq_lens.numel() + 1, dtype=torch.int32)  # one token each
+        if cum_seq_lens_q is None:  # the decode's plan
+            cum_seq_lens_q = torch.arange(seq_lens.numel() + 1, dtype=torch.int32)
+        else:
+            assert cum_seq_lens_q.dtype == torch.int32 and total_q is not None
+        return block_tables, seq_lens, cum_seq_lens_q
 
-    def run(self, q, k_cache, v_cache, plan):
-        return self._attend(q, k_cache, v_cache, *plan, torch.full_like(q, float("nan")))
-
-    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, cum_seq_lens_q, out, validate=True):
-        assert block_tables.dtype == torch.int32 and not validate
-        return self._attend(q, k_cache, v_cache, block_tables, seq_lens, cum_seq_lens_q, out)
+    def run(self, q, k_cache, v_cache, plan, out=None):
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype) if out is None else out
+        return self._attend(q, k_cache, v_cache, *plan, out)
 
     def _attend(self, q, k_cache, v_cache, block_tables, seq_lens, cum, out):
         assert self.spec["kv_layout"] == "NHD"

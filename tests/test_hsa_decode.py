@@ -113,7 +113,7 @@ def test_golden_extend_is_a_decode_per_new_token(strategy, combine):
     cum = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     q = torch.randn(int(cum[-1]), 6, 16, dtype=torch.float64)
     kw = dict(page_size=8, topk=3, window_size=13, combine=combine)
-    o, ids = hsa_extend(q, inputs["k_buffer"], inputs["v_buffer"], inputs["page_table"], inputs["seq_lens"], cum,
+    o, ids, _ = hsa_extend(q, inputs["k_buffer"], inputs["v_buffer"], inputs["page_table"], inputs["seq_lens"], cum,
                         inputs["chunk_repr"], selection_strategy=strategy, repr_valid=inputs["repr_valid"], **kw)
     assert o.shape == q.shape and ids.shape == (q.shape[0], 2, 3)
     t = 0
@@ -133,7 +133,7 @@ def test_golden_extend_of_one_token_is_decode():
     inputs = random_case([37, 5, 64, 20], num_heads=4, num_kv_heads=2, head_dim=16, page_size=8, invalid_frac=0.1)
     cum = torch.arange(5, dtype=torch.int32)
     kw = dict(page_size=8, topk=2, window_size=9)
-    o, ids = hsa_extend(cum_seq_lens_q=cum, **inputs, **kw)
+    o, ids, _ = hsa_extend(cum_seq_lens_q=cum, **inputs, **kw)
     o_dec, ids_dec, _ = hsa_decode(**inputs, **kw)
     assert torch.equal(ids, ids_dec) and torch.equal(o, o_dec)
 

@@ -63,7 +63,7 @@ def test_run_is_the_golden_extend(op, monkeypatch):
     monkeypatch.setattr(op, "decode", _GoldenDecode())
     o, ids = op(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], b["cum_seq_lens_q"],
                 b["chunk_repr"], b["repr_valid"], return_selection=True, validate=False)
-    o_ref, ids_ref = hsa_extend(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"],
+    o_ref, ids_ref, _ = hsa_extend(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"],
                                 b["cum_seq_lens_q"], b["chunk_repr"], 16, 8, repr_valid=b["repr_valid"])
     assert torch.equal(ids, ids_ref) and torch.equal(o, o_ref)
 

@@ -6,7 +6,7 @@ capture of plan + run with validation off."""
 import pytest
 import torch
 
-from golden.hsa_decode import hsa_extend, random_case
+from golden.hsa_decode import extend_rows, hsa_extend, random_case, select_pages
 from ops.hsa import HSADecodeTileLang, HSAExtendTileLang
 
 pytestmark = pytest.mark.gpu
@@ -27,6 +27,9 @@ BATCHES = {
     "no_window": [(5, 3), (1000, 200), (0, 33), (3000, 1)],
 }
 TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=4e-3, rtol=4e-3)}
+# Selection scores are fp32 dots summed in another order than the golden's: pages whose scores differ by less
+# may swap (scores here are of order 1-10, their rounding errors ~1e-6).
+SCORE_TOL = 1e-4
 _OPS = {}
 
 
@@ -48,11 +51,33 @@ def make_batch(name, seed, invalid_frac=0.1):
     return case
 
 
-def golden_of(name, b):
+def golden_of(name, b, selected_page_ids=None):
     s = SPECS[name]
     return hsa_extend(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], b["cum_seq_lens_q"],
                       b["chunk_repr"], s["page_size"], s["topk"], s["selection_strategy"], s["window_size"],
-                      s["combine"], b["repr_valid"])
+                      s["combine"], b["repr_valid"], selected_page_ids=selected_page_ids)
+
+
+def assert_selection_up_to_ties(name, b, ids, ids_ref, scores_ref):
+    """The kernel's selection is the golden's, except where near-ties swap pages: at every rank of a differing
+    row, the page the kernel chose has (by the golden's scores of all candidates) the golden's score at that rank
+    within SCORE_TOL, and such rows are rare."""
+    differ = (ids != ids_ref).any(-1)  # [rows, Hkv]
+    if not differ.any():
+        return
+    assert differ.float().mean() < 0.01, f"{int(differ.sum())} of {differ.numel()} selections differ"
+    s = SPECS[name]
+    req, row_lens = extend_rows(b["seq_lens"], b["cum_seq_lens_q"])
+    for r, h in differ.nonzero().tolist():
+        every, every_scores = select_pages(b["q"][r:r + 1], b["page_table"][req[r:r + 1]], row_lens[r:r + 1],
+                                           b["chunk_repr"], s["page_size"], b["page_table"].shape[1],
+                                           s["selection_strategy"], s["window_size"], b["repr_valid"])
+        score_of = dict(zip(every[0, h].tolist(), every_scores[0, h].tolist()))
+        score_of[-1] = float("-inf")  # padding past the candidates
+        chosen = ids[r, h].tolist()
+        assert len(set(chosen) - {-1}) == sum(p >= 0 for p in chosen), f"row {r} head {h}: a page chosen twice"
+        got = torch.tensor([score_of[p] for p in chosen])  # KeyError: a page that is no candidate
+        torch.testing.assert_close(got, scores_ref[r, h].cpu(), atol=SCORE_TOL, rtol=0)
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -61,8 +86,9 @@ def test_extend_matches_golden(name, poisoned):
     with poisoned():
         o, ids = op(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], b["cum_seq_lens_q"],
                     b["chunk_repr"], b["repr_valid"], return_selection=True)
-    o_ref, ids_ref = golden_of(name, b)
-    assert torch.equal(ids, ids_ref)
+    _, ids_ref, scores_ref = golden_of(name, b)
+    assert_selection_up_to_ties(name, b, ids, ids_ref, scores_ref)
+    o_ref, _, _ = golden_of(name, b, selected_page_ids=ids)  # like with like where near-ties swapped pages
     torch.testing.assert_close(o.float(), o_ref.float(), **TOL[SPECS[name]["dtype"]])
 
 
@@ -92,5 +118,5 @@ def test_cuda_graph_capture_with_validation_off():
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    o_ref, _ = golden_of(name, b)
+    o_ref, _, _ = golden_of(name, b)
     torch.testing.assert_close(out.float(), o_ref.float(), **TOL[SPECS[name]["dtype"]])

@@ -16,6 +16,7 @@ from ops.paged_prefill import PagedAttentionPrefillTileLang
 from ops.paged_prefill import paged_attention_prefill as paged_attention_prefill_op
 from ops.paged_prefill.custom_ops import _spec as custom_op_spec
 from ops.paged_prefill.kernels import paged_prefill_kernel
+from ops.paged_prefill.prefill import PrefillPlan
 from ops.paged_prefill.tiling import warp_specialized
 
 
@@ -211,6 +212,14 @@ def test_golden_keeps_dtype():
     (dict(use_alibi=1), TypeError, "use_alibi"),
     (dict(scale=float("inf")), ValueError, "scale"),
     (dict(scale=-0.1), ValueError, "scale: expected a positive value"),
+    (dict(window_left=-2), ValueError, "window_left"),
+    (dict(window_left=2.0), TypeError, "window_left"),
+    (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
+    (dict(logits_soft_cap=float("nan")), ValueError, "logits_soft_cap"),
+    (dict(logits_soft_cap="30"), TypeError, "logits_soft_cap"),
+    (dict(kv_dtype=torch.float16), TypeError, "kv_dtype"),
+    (dict(kv_dtype=torch.float8_e5m2), TypeError, "kv_dtype"),
+    (dict(dtype=torch.float32, kv_dtype=torch.float8_e4m3fn), TypeError, "kv_dtype"),
 ])
 def test_constructor_rejects(kwargs, err, match):
     args = dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16)
@@ -284,6 +293,80 @@ def test_call_rejects_out_cpu_and_unexpected_alibi(op, cpu_tensors_ok):
         no_alibi(**batch)
 
 
+def _plan_for(batch, op, **overrides):
+    """A plan for `batch` as op.plan makes it, built on the CPU (no schedule launch) for the run checks."""
+    tiles = torch.zeros(4, dtype=torch.int32)
+    fields = dict(block_tables=batch["block_tables"].int(), seq_lens=batch["seq_lens"].int(),
+                  cum_seq_lens_q=batch["cum_seq_lens_q"].int(), tile_seq=tiles, tile_q0=tiles,
+                  total_q=batch["q"].shape[0], num_pages=batch["k_cache"].shape[0], tile_tokens=op.tile_tokens)
+    return PrefillPlan(**{**fields, **overrides})
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("overrides,err,match", [
+    (dict(total_q=3), ValueError, "q: expected 3 tokens"),
+    (dict(num_pages=2), ValueError, "k_cache: expected 2 pages"),
+    (dict(tile_tokens=7), ValueError, "plan: made by an op with 7-token"),
+])
+def test_run_rejects_a_plan_of_another_batch(op, cpu_tensors_ok, overrides, err, match):
+    batch = _valid_batch()
+    with pytest.raises(err, match=match):
+        op.run(batch["q"], batch["k_cache"], batch["v_cache"], _plan_for(batch, op, **overrides),
+               batch["alibi_slopes"])
+    with pytest.raises(TypeError, match="plan: expected a PrefillPlan"):
+        op.run(batch["q"], batch["k_cache"], batch["v_cache"], (batch["block_tables"],), batch["alibi_slopes"])
+    with pytest.raises(TypeError, match="return_lse: expected a bool"):
+        op.run(batch["q"], batch["k_cache"], batch["v_cache"], _plan_for(batch, op), batch["alibi_slopes"],
+               return_lse=1)
+
+
+@pytest.mark.compile
+def test_scales_only_for_fp8_caches(op, cpu_tensors_ok):
+    batch = _valid_batch()
+    for name in ("k_scale", "v_scale"):
+        with pytest.raises(ValueError, match=f"{name}: only for an FP8 cache"):
+            op.run(batch["q"], batch["k_cache"], batch["v_cache"], _plan_for(batch, op), batch["alibi_slopes"],
+                   **{name: 0.5})
+
+
+@pytest.mark.compile
+def test_fp8_op_rejects_bad_scales_and_caches(cpu_tensors_ok):
+    fp8_op = PagedAttentionPrefillTileLang(**OPTION_SPECS[2])  # bf16 q over an FP8 cache, HND, ALiBi
+    batch = make_batch([5, 3], [2, 20], 8, 2, 128, 16, torch.bfloat16, use_alibi=True, poison=False,
+                       kv_dtype=torch.float8_e4m3fn)
+    plan = _plan_for(batch, fp8_op)
+    args = (batch["q"], batch["k_cache"], batch["v_cache"], plan, batch["alibi_slopes"])
+    for kwargs, err, match in [
+        (dict(k_scale=-1.0), ValueError, "k_scale: expected a positive"),
+        (dict(v_scale=float("inf")), ValueError, "v_scale: expected a finite"),
+        (dict(k_scale="1"), TypeError, "k_scale: expected a float"),
+        (dict(v_scale=torch.ones(2)), ValueError, "v_scale: expected 1 element"),
+        (dict(k_scale=torch.ones(1, dtype=torch.float64)), TypeError, "k_scale: expected dtype"),
+    ]:
+        with pytest.raises(err, match=match):
+            fp8_op.run(*args, **kwargs)
+    with pytest.raises(TypeError, match="k_cache: expected dtype"):
+        fp8_op.run(batch["q"], batch["k_cache"].to(torch.bfloat16), batch["v_cache"], plan, batch["alibi_slopes"])
+
+
+@pytest.mark.compile
+def test_strided_q_and_out(op, cpu_tensors_ok):
+    """q and out may be views with any token / head strides (q sliced from a fused QKV projection), but
+    need a contiguous last dimension and 16-byte aligned strides."""
+    batch = _valid_batch()
+    fused = torch.randn(batch["q"].shape[0], 8 + 2 * 2, 128).to(torch.bfloat16)
+    q = fused[:, :8]
+    assert not q.is_contiguous()
+    out = torch.empty(batch["q"].shape[0], 8, 2, 128, dtype=torch.bfloat16)[:, :, 0]
+    op.check_inputs(**{**batch, "q": q}, out=out)  # accepted
+    for bad in (batch["q"].transpose(1, 2).contiguous().transpose(1, 2),  # last dimension strided
+                torch.randn(batch["q"].shape[0], 8, 129).to(torch.bfloat16)[:, :, 1:]):  # 2-byte misaligned
+        with pytest.raises(ValueError, match="q: expected a contiguous last dimension"):
+            op.check_inputs(**{**batch, "q": bad})
+        with pytest.raises(ValueError, match="out: expected a contiguous last dimension"):
+            op.check_inputs(**batch, out=bad)
+
+
 @pytest.mark.compile
 def test_call_rejects_cpu_tensors(op):
     with pytest.raises(ValueError, match="q: expected a CUDA tensor"):
@@ -333,6 +416,24 @@ COMPILE_SPECS = [
     dict(num_heads=2, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16, use_alibi=False,
          kv_layout="HND"),
 ]
+# The options on both families, each with ALiBi at least once: window, soft cap, FP8 cache, combined; CTA
+# pairs (32-row pages) with a window; the 8-bit gather (pages under 16 rows) and the one-Q-buffer head_dim 256.
+OPTION_SPECS = [
+    dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16, use_alibi=True,
+         kv_layout="NHD", window_left=100, logits_soft_cap=30.0),
+    dict(num_heads=8, num_kv_heads=2, head_dim=64, page_size=32, dtype=torch.bfloat16, use_alibi=False,
+         kv_layout="HND", window_left=70),
+    dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16, use_alibi=True,
+         kv_layout="HND", kv_dtype=torch.float8_e4m3fn),
+    dict(num_heads=4, num_kv_heads=1, head_dim=256, page_size=64, dtype=torch.float16, use_alibi=True,
+         kv_layout="NHD", kv_dtype=torch.float8_e4m3fn, window_left=300, logits_soft_cap=5.0),
+    dict(num_heads=4, num_kv_heads=4, head_dim=64, page_size=1, dtype=torch.float16, use_alibi=True,
+         kv_layout="NHD", window_left=5, logits_soft_cap=2.0),
+    dict(num_heads=4, num_kv_heads=2, head_dim=128, page_size=4, dtype=torch.bfloat16, use_alibi=True,
+         kv_layout="HND", kv_dtype=torch.float8_e4m3fn, logits_soft_cap=20.0),
+    dict(num_heads=4, num_kv_heads=1, head_dim=64, page_size=64, dtype=torch.float32, use_alibi=True,
+         kv_layout="HND", window_left=0, logits_soft_cap=1.0),
+]
 
 
 @pytest.mark.compile
@@ -343,6 +444,25 @@ def test_compiles_for_sm90a(spec):
     assert "paged_prefill" in source
     ws = warp_specialized(TL_DTYPES[spec["dtype"]], spec["page_size"])
     assert ("k_full" in source) == ws  # the warp-specialized kernel's mbarrier ring
+    assert ("AtomicAddRet" in source) == ws  # its dynamic schedule: items pulled from a counter
+    assert (op.sched_len > 0) == ws
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", OPTION_SPECS, ids=lambda s: "-".join(
+    [str(s["dtype"])[6:], f"b{s['page_size']}"] + [f"{k}={s[k]}" for k in ("window_left", "logits_soft_cap")
+                                                      if k in s] + (["fp8"] if "kv_dtype" in s else [])))
+def test_options_compile_for_sm90a(spec):
+    """Every option lowers and builds on the family that serves it: tanh for the soft cap, the 8-bit
+    cache's conversion, the window's loop start."""
+    op = PagedAttentionPrefillTileLang(**spec)
+    source = op.kernel.get_kernel_source()
+    ws = warp_specialized(TL_DTYPES[spec["dtype"]], spec["page_size"])
+    assert ("k_full" in source) == ws
+    assert ("tanh" in source) == ("logits_soft_cap" in spec)
+    if "kv_dtype" in spec:
+        assert "fp8_e4" in source and op.spec["kv_dtype"] == "float8_e4m3fn"
+    assert op.spec.get("window_left", -1) == spec.get("window_left", -1)
 
 
 @pytest.mark.compile
@@ -437,11 +557,11 @@ def test_custom_op_spec_from_shapes():
     inputs = _meta_inputs(12, 4, 64, 32, torch.float16, "NHD", alibi=True)
     assert custom_op_spec(inputs["q"], inputs["k_cache"], inputs["alibi_slopes"], None, "NHD") == dict(
         num_heads=12, num_kv_heads=4, head_dim=64, page_size=32, dtype=torch.float16, use_alibi=True, scale=None,
-        kv_layout="NHD")
+        kv_layout="NHD", window_left=-1, logits_soft_cap=0.0, kv_dtype=torch.float16)
     inputs = _meta_inputs(8, 1, 256, 64, torch.bfloat16, "HND")
-    assert custom_op_spec(inputs["q"], inputs["k_cache"], None, 0.5, "HND") == dict(
+    assert custom_op_spec(inputs["q"], inputs["k_cache"].to(torch.float8_e4m3fn), None, 0.5, "HND", 100, 30.0) == dict(
         num_heads=8, num_kv_heads=1, head_dim=256, page_size=64, dtype=torch.bfloat16, use_alibi=False, scale=0.5,
-        kv_layout="HND")
+        kv_layout="HND", window_left=100, logits_soft_cap=30.0, kv_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="kv_layout"):
         custom_op_spec(inputs["q"], inputs["k_cache"], None, None, "NDH")
     with pytest.raises(ValueError, match="q: expected shape"):

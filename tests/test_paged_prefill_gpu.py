@@ -177,3 +177,233 @@ def test_custom_op_matches_class():
     batch["seq_lens"][1] = 0  # shorter than its new tokens: the value checks run inside the custom op
     with pytest.raises(ValueError, match="seq_lens"):
         paged_attention_prefill_op(**batch, scale=0.07)
+
+
+# ----------------------------------------------------------------------------- options (issue 38)
+FP8 = torch.float8_e4m3fn
+# lse: fp32 math on the same inputs (an FP8 cache is converted exactly, its k_scale multiplies the scores:
+# a little more room for the larger scores of k_scale > 1).
+LSE_TOL = {False: 1e-3, True: 3e-3}
+
+# spec, q_lens, histories: every option alone and with ALiBi, both layouts, both kernel families, pages 1-256
+# (window sizes under, across and over block_N and the histories; window 0: only the diagonal).
+OPTION_CASES = [
+    (dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16, window_left=200),
+     [0, 1, 130, 257, 77], [5, 0, 300, 0, 1000]),
+    (dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16, use_alibi=True,
+          kv_layout="NHD", window_left=37), [33, 0, 200, 1], [500, 7, 0, 95]),
+    (dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=32, dtype=torch.bfloat16, use_alibi=True,
+          kv_layout="NHD", window_left=300, logits_soft_cap=2.0), [33, 0, 300, 1], [500, 7, 0, 95]),  # CTA pairs
+    (dict(num_heads=6, num_kv_heads=2, head_dim=256, page_size=256, dtype=torch.bfloat16, use_alibi=True,
+          window_left=0), [300, 2, 129], [0, 600, 1]),
+    (dict(num_heads=4, num_kv_heads=4, head_dim=64, page_size=1, dtype=torch.float16, use_alibi=True,
+          kv_layout="NHD", window_left=9, logits_soft_cap=1.5), [3, 70, 0, 1], [0, 40, 9, 63]),
+    (dict(num_heads=4, num_kv_heads=1, head_dim=256, page_size=64, dtype=torch.float32, logits_soft_cap=3.0),
+     [65, 1, 200], [0, 129, 31]),
+    (dict(num_heads=8, num_kv_heads=1, head_dim=64, page_size=64, dtype=torch.float16, use_alibi=True,
+          logits_soft_cap=0.5), [64, 1, 200], [0, 129, 31]),
+    (dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16, kv_dtype=FP8),
+     [0, 1, 130, 257, 77], [5, 0, 300, 0, 1000]),
+    (dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=64, dtype=torch.float16, use_alibi=True,
+          kv_layout="NHD", kv_dtype=FP8, window_left=150, logits_soft_cap=4.0), [33, 0, 300, 1], [500, 7, 0, 95]),
+    (dict(num_heads=4, num_kv_heads=2, head_dim=64, page_size=4, dtype=torch.bfloat16, use_alibi=True,
+          kv_dtype=FP8, window_left=20), [3, 70, 1], [0, 40, 63]),  # FP8 row gathers
+    (dict(num_heads=8, num_kv_heads=8, head_dim=256, page_size=128, dtype=torch.bfloat16, kv_dtype=FP8,
+          logits_soft_cap=10.0), [129, 1], [300, 0]),
+]
+
+
+def _option_batch(spec, q_lens, histories, table_dtype=torch.int32):
+    batch = make_batch(q_lens, histories, spec["num_heads"], spec["num_kv_heads"], spec["head_dim"],
+                       spec["page_size"], spec["dtype"], device="cuda", kv_layout=spec.get("kv_layout", "HND"),
+                       use_alibi=spec.get("use_alibi", False), table_dtype=table_dtype, kv_dtype=spec.get("kv_dtype"))
+    scales = {}
+    if spec.get("kv_dtype") == FP8:
+        scales = dict(k_scale=0.37, v_scale=torch.tensor([1.9], device="cuda"))
+    return batch, scales
+
+
+def _golden(spec, batch, scales):
+    return paged_attention_prefill(**batch, kv_layout=spec.get("kv_layout", "HND"),
+                                   window_left=spec.get("window_left", -1),
+                                   logits_soft_cap=spec.get("logits_soft_cap", 0.0), return_lse=True, **scales)
+
+
+def _free_pages_outside_windows(spec, batch):
+    """Poison (NaN) every page wholly before each sequence's first query's window and set its table entry to
+    -1, as an engine that frees them would: the op must neither read them nor check them."""
+    w, ps = spec.get("window_left", -1), spec["page_size"]
+    if w < 0:
+        return
+    cum = batch["cum_seq_lens_q"].tolist()
+    for s, kv_len in enumerate(batch["seq_lens"].tolist()):
+        first = max(0, kv_len - (cum[s + 1] - cum[s]) - w)
+        for b in range(first // ps):
+            blk = int(batch["block_tables"][s, b])
+            batch["k_cache"][blk] = float("nan")
+            batch["v_cache"][blk] = float("nan")
+            batch["block_tables"][s, b] = -1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(OPTION_CASES)))
+def test_options_match_golden(case, poisoned):
+    """Output and log-sum-exp against the golden, for both the one-call form (validate=True, int64 tables on
+    odd cases) and plan + run; pages outside every window freed (NaN, table -1)."""
+    spec, q_lens, histories = OPTION_CASES[case]
+    op = PagedAttentionPrefillTileLang(**spec)
+    batch, scales = _option_batch(spec, q_lens, histories, torch.int64 if case % 2 else torch.int32)
+    want, want_lse = _golden(spec, batch, scales)
+    _free_pages_outside_windows(spec, batch)
+    with poisoned():
+        got, lse = op(**batch, return_lse=True, **scales)
+    assert torch.isfinite(got).all() and torch.isfinite(lse).all()
+    fp8 = spec.get("kv_dtype") == FP8
+    tol = TOL[spec["dtype"]] * (2 if fp8 else 1)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, want_lse, rtol=LSE_TOL[fp8], atol=LSE_TOL[fp8])
+    plan = op.plan(batch["block_tables"], batch["seq_lens"], batch["cum_seq_lens_q"],
+                   num_pages=batch["k_cache"].shape[0])
+    again = op.run(batch["q"], batch["k_cache"], batch["v_cache"], plan, batch["alibi_slopes"], **scales)
+    torch.testing.assert_close(again, got, rtol=0, atol=0)  # deterministic, and the same as the one call
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec_case", [0, 1])  # warp-specialized (GPU_CASES 0) and gather (GPU_CASES 2)
+def test_return_lse_matches_golden(spec_case, poisoned):
+    spec, q_lens, histories = GPU_CASES[[0, 2][spec_case]]
+    op = PagedAttentionPrefillTileLang(**spec)
+    batch = make_batch(q_lens, histories, spec["num_heads"], spec["num_kv_heads"], spec["head_dim"],
+                       spec["page_size"], spec["dtype"], device="cuda", kv_layout=spec["kv_layout"],
+                       use_alibi=spec.get("use_alibi", False))
+    with poisoned():
+        out, lse = op(**batch, return_lse=True)
+    want, want_lse = paged_attention_prefill(**batch, kv_layout=spec["kv_layout"], return_lse=True)
+    assert lse.dtype == torch.float32 and lse.shape == out.shape[:2]
+    torch.testing.assert_close(lse, want_lse, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(out.float(), want.float(), rtol=TOL[spec["dtype"]], atol=TOL[spec["dtype"]])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,kv_dtype", [(16, None), (64, None), (16, FP8), (4, None)])
+def test_plan_run_cuda_graph_capture_and_replay(page_size, kv_dtype):
+    """plan once (int32 index tensors are kept, not copied), run two layers inside one CUDA graph (no host
+    synchronization), replay with new q and caches; the outputs and lse match the golden."""
+    spec = dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=page_size, dtype=torch.bfloat16,
+                use_alibi=True, window_left=100, logits_soft_cap=20.0, kv_dtype=kv_dtype)
+    op = PagedAttentionPrefillTileLang(**spec)
+    first, scales = _option_batch(spec, [40, 0, 129], [7, 3, 200])
+    first.update(seq_lens=first["seq_lens"].int(), cum_seq_lens_q=first["cum_seq_lens_q"].int())
+    # two layers of one batch: the same index tensors, their own q and caches
+    second = {**first, **{k: first[k].clone() for k in ("q", "k_cache", "v_cache")}}
+    layers = [(first, scales), (second, scales)]
+    plan = op.plan(first["block_tables"], first["seq_lens"], first["cum_seq_lens_q"])
+    assert plan.block_tables is first["block_tables"] and plan.seq_lens is first["seq_lens"]
+    outs = [torch.full_like(b["q"], float("nan")) for b, _ in layers]
+    lses = []
+
+    def step():
+        lses.clear()
+        for (b, scales), out in zip(layers, outs):
+            lses.append(op.run(b["q"], b["k_cache"], b["v_cache"], plan, b["alibi_slopes"], out=out,
+                               return_lse=True, **scales)[1])
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for (b, _), out in zip(layers, outs):
+        b["q"].copy_(torch.randn_like(b["q"], dtype=torch.float32))
+        b["k_cache"].copy_(torch.randn_like(b["k_cache"], dtype=torch.float32).to(b["k_cache"].dtype))
+        out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for (b, scales), out, lse in zip(layers, outs, lses):
+        want, want_lse = _golden(spec, b, scales)
+        torch.testing.assert_close(out.float(), want.float(), rtol=4e-2, atol=4e-2)
+        tol = LSE_TOL[kv_dtype == FP8]
+        torch.testing.assert_close(lse, want_lse, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_plan_of_another_batch_is_rejected():
+    spec = GPU_CASES[0][0]
+    op = PagedAttentionPrefillTileLang(**spec)
+    a = make_batch([5, 9], [0, 3], 8, 2, 128, 16, torch.bfloat16, device="cuda")
+    b = make_batch([5, 10], [0, 3], 8, 2, 128, 16, torch.bfloat16, device="cuda")
+    plan = op.plan(a["block_tables"], a["seq_lens"], a["cum_seq_lens_q"], num_pages=a["k_cache"].shape[0])
+    with pytest.raises(ValueError, match="q: expected 14 tokens"):
+        op.run(b["q"], b["k_cache"], b["v_cache"], plan)
+    other = PagedAttentionPrefillTileLang(**dict(spec, num_heads=16, num_kv_heads=2))  # 16-token tiles
+    with pytest.raises(ValueError, match="plan: made by an op"):
+        other.run(torch.randn(14, 16, 128, device="cuda", dtype=torch.bfloat16), a["k_cache"], a["v_cache"], plan)
+    bad = a["seq_lens"].clone()
+    bad[0] = 2
+    with pytest.raises(ValueError, match="seq_lens"):
+        op.plan(a["block_tables"], bad, a["cum_seq_lens_q"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [0, 2, 6])  # warp-specialized, gather, CTA pairs
+def test_strided_q_and_out(case, poisoned):
+    """q sliced from a fused QKV projection and out a strided view: no copies, the same result."""
+    spec, q_lens, histories = GPU_CASES[case]
+    op = PagedAttentionPrefillTileLang(**spec)
+    batch = make_batch(q_lens, histories, spec["num_heads"], spec["num_kv_heads"], spec["head_dim"],
+                       spec["page_size"], spec["dtype"], device="cuda", kv_layout=spec["kv_layout"],
+                       use_alibi=spec.get("use_alibi", False))
+    total, heads, d = batch["q"].shape
+    fused = torch.randn(total, heads + 2 * spec["num_kv_heads"], d, device="cuda").to(spec["dtype"])
+    fused[:, :heads] = batch["q"]
+    q = fused[:, :heads]
+    out_buf = torch.full((total, heads, 2, d), float("nan"), device="cuda", dtype=spec["dtype"])
+    out = out_buf[:, :, 1]
+    assert not q.is_contiguous() and not out.is_contiguous()
+    with poisoned():
+        got = op(**{**batch, "q": q}, out=out)
+    assert got is out and torch.isnan(out_buf[:, :, 0]).all()  # nothing written outside the view
+    want = paged_attention_prefill(**batch, kv_layout=spec["kv_layout"])
+    torch.testing.assert_close(got.float(), want.float(), rtol=TOL[spec["dtype"]], atol=TOL[spec["dtype"]])
+
+
+# ----------------------------------------------------------------------------- dynamic schedule
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])  # one CTA per item; CTA pairs (mailbox from rank 0 to rank 1)
+def test_dynamic_schedule_relaunch_and_determinism(page_size):
+    """The persistent kernel pulls items from a counter: relaunching with the same counter buffer (the
+    kernel leaves it zeroed, as the autotuner relies on), many more items than CTAs, fewer items than
+    CTAs, and a concurrent stream competing for SMs all give the golden's result, bitwise repeatable."""
+    spec = dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=page_size, dtype=torch.bfloat16,
+                use_alibi=True)
+    op = PagedAttentionPrefillTileLang(**spec)
+    assert op.sched_len > 0
+    gen = torch.Generator().manual_seed(5)
+    many = torch.randint(1, 700, (40,), generator=gen).tolist(), torch.randint(0, 900, (40,), generator=gen).tolist()
+    for q_lens, histories in (many, ([3, 1], [0, 40])):
+        batch = make_batch(q_lens, histories, 8, 2, 128, page_size, torch.bfloat16, device="cuda", use_alibi=True)
+        want = paged_attention_prefill(**batch)
+        args = op.tune_args(*(batch[k] for k in ("q", "k_cache", "v_cache", "block_tables", "seq_lens",
+                                                 "cum_seq_lens_q", "alibi_slopes")))
+        out, sched = args[-3], args[-1]
+        results = []
+        for _ in range(3):  # the same Sched buffer each time
+            out.fill_(float("nan"))
+            op.kernel(*args)
+            torch.cuda.synchronize()
+            assert not sched.any()  # left zeroed
+            results.append(out.clone())
+        torch.testing.assert_close(results[0].float(), want.float(), rtol=2e-2, atol=2e-2)
+        assert all(r.equal(results[0]) for r in results[1:])
+        # a competing stream: CTAs start late and take fewer items, each item's math unchanged
+        side = torch.cuda.Stream()
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        with torch.cuda.stream(side):
+            for _ in range(4):
+                a @ a
+        got = op(**batch)
+        torch.cuda.synchronize()
+        assert got.equal(results[0])

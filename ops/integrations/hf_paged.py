@@ -10,8 +10,8 @@ pages of ``block_size`` rows. Each call (one per layer and step) writes the step
 write positions and runs ``PagedAttentionPrefillTileLang`` over the cache (every request's history and new tokens,
 causal, GQA packed), or for a decode step (one new token per request) ``PagedAttentionDecodeTileLang`` (split-KV
 decode). The per-batch work (block tables from HF's read positions, a page's first position / block_size; lengths;
-the decode's ``plan``) is done once per step, at its first layer, and shared by the others; the prefill still
-builds its tile schedule per call (one small kernel). All of it runs on the device with no host synchronization, so
+the ``plan`` of the prefill or the decode, with the prefill's tile schedule) is done once per step, at its first
+layer, and shared by the others. All of it runs on the device with no host synchronization, so
 HF's CUDA graphs capture the step. Padding rows of a graph-padded batch (no tokens) read page 0 and are never written. HF's own "decode fast
 path" (a block table instead of read positions) is offered to flash-attention implementations only, so decode steps
 come here through the read positions too.
@@ -114,15 +114,16 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             tables = block_tables_from_positions(read_index, k32, max_k, bs)
         else:  # no request has a history: its tokens are the ones written at this step
             tables = block_tables_from_positions(kwargs["write_index"][group], q32, kwargs["max_seqlen_q"], bs)
-        return op.plan(tables, seq_lens, validate=False) if decode else (tables, seq_lens, q32)
+        return op.plan(tables, seq_lens, validate=False) if decode else \
+            op.plan(tables, seq_lens, q32, validate=False, total_q=tokens)
 
     plan = _plans.get(step, (group, decode), build)
     write_index = kwargs["write_index"][group]
     k_cache.index_copy_(0, write_index, key[0].transpose(0, 1))
     v_cache.index_copy_(0, write_index, value[0].transpose(0, 1))
-    q = query[0].transpose(0, 1).contiguous()
+    q = query[0].transpose(0, 1)  # [T, H, D], a strided view: the prefill reads it as is
     k_pages, v_pages = (c.view(-1, bs, num_kv_heads, head_dim) for c in (k_cache, v_cache))
     if decode:  # every row is a request's token
-        return op.run(q, k_pages, v_pages, plan), None
-    out = torch.zeros_like(q)  # rows of graph padding belong to no request and stay zero
-    return op(q, k_pages, v_pages, *plan, out=out, validate=False), None
+        return op.run(q.contiguous(), k_pages, v_pages, plan), None
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # rows of graph padding stay zero
+    return op.run(q, k_pages, v_pages, plan, out=out), None

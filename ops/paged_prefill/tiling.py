@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..common.hw import SMEM_LIMIT
 
 HEAD_DIMS = (64, 128, 256)
-BITS = {"float16": 16, "bfloat16": 16, "float32": 32}
+BITS = {"float16": 16, "bfloat16": 16, "float32": 32, "float8_e4m3fn": 8}
 # The gather kernel loads K/V by whole pages (TMA) from this page size on, and gathers rows below it
 # (H200, same run, 16-row pages: rows 311 vs pages 250 TFLOP/s, each page copy with its own mbarrier).
 PAGE_LOADS_FROM = 32
@@ -20,14 +20,16 @@ MULTICAST_PAGES_FROM = 32
 WS_THREADS = 384  # producer warpgroup + 2 consumer warpgroups
 
 
-def ws_smem_bytes(q_tiles: int, block_N: int, num_stages: int, head_dim: int) -> int:
-    """Shared memory of the warp-specialized kernel's Q tiles and K / V rings (16-bit)."""
-    return (q_tiles * WS_BLOCK_M + 2 * num_stages * block_N) * head_dim * 2
+def ws_smem_bytes(q_tiles: int, block_N: int, num_stages: int, head_dim: int, kv_bits: int = 16) -> int:
+    """Shared memory of the warp-specialized kernel's Q tiles (16-bit) and K / V rings (`kv_bits`); an
+    8-bit cache adds one 16-bit K and one V tile that the consumers convert each stage into."""
+    kv = 2 * num_stages * block_N * kv_bits // 8 + (2 * block_N * 2 if kv_bits == 8 else 0)
+    return (q_tiles * WS_BLOCK_M * 2 + kv) * head_dim
 
 
-def ws_smem_fits(q_tiles: int, block_N: int, num_stages: int, head_dim: int) -> bool:
+def ws_smem_fits(q_tiles: int, block_N: int, num_stages: int, head_dim: int, kv_bits: int = 16) -> bool:
     """Whether they fit the shared memory a CTA may use (barriers and alignment aside)."""
-    return ws_smem_bytes(q_tiles, block_N, num_stages, head_dim) <= SMEM_LIMIT
+    return ws_smem_bytes(q_tiles, block_N, num_stages, head_dim, kv_bits) <= SMEM_LIMIT
 
 
 def head_pack(num_heads: int, num_kv_heads: int, block_M: int) -> int:

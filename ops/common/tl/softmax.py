@@ -12,7 +12,11 @@ logits into the running state, a different operation from both of these.
 
 import tilelang.language as T
 
-NEG = -1.0e30  # finite "minus infinity": exp2(NEG - m) == 0 without inf - inf
+# A finite "minus infinity": exp2(NEG - m) == 0 without inf - inf. A power of two, so that NEG * scale is exact
+# and a row whose scores are all NEG gets exp2(fma(NEG, scale, -(NEG * scale))) = exp2(0) = 1: with 1e30 the
+# fused multiply-add kept the product's rounding error, about 1e22, and exp2 of it was inf (NaN rows after the
+# next rescale).
+NEG = -(2.0 ** 100)
 
 
 def online_softmax_step(scale_log2: float):

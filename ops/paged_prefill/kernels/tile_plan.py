@@ -1,10 +1,11 @@
 """What both paged prefill kernels share: the shapes of a specialization, the query tile of a CTA, page
-copies, the causal / ALiBi mask, the online-softmax step and the output stores, as TileLang macros."""
+copies, the causal / window / ALiBi mask and the soft-cap, the online-softmax step and the output (and
+log-sum-exp) stores, as TileLang macros."""
 
 import tilelang.language as T
 
 from ...common.hw import LOG2E
-from ...common.tl.softmax import online_softmax_step
+from ...common.tl.softmax import NEG, online_softmax_step
 from ..tiling import BITS, head_pack, tile_tokens
 
 
@@ -13,31 +14,48 @@ class TilePlan:
     output store. M-row r of a tile is token r // pack, head r % pack."""
 
     def __init__(self, num_heads, num_kv_heads, head_dim, page_size, dtype, use_alibi, kv_layout, scale,
-                 block_M, block_N):
+                 block_M, block_N, window_left=-1, soft_cap=0.0, kv_dtype=None):
         self.groups = num_heads // num_kv_heads
         self.pack = pack = head_pack(num_heads, num_kv_heads, block_M)
         self.tokens = tile_tokens(num_heads, num_kv_heads, block_M)  # rows past tokens * pack are padding
         self.block_N = block_N
+        self.kv_dtype = kv_dtype = dtype if kv_dtype is None else kv_dtype
+        # An 8-bit cache is converted exactly to q's dtype; its scales multiply the scores (k_scale, before
+        # the cap and ALiBi) and the output (v_scale), as FA3's descale factors.
+        self.fp8 = BITS[kv_dtype] == 8
+        self.window_left, self.capped = window_left, soft_cap > 0
         self.dims = T.dynamic("total_q, num_seqs, num_blocks, max_blocks, num_tiles")
         total_q, _, num_blocks, _, _ = self.dims
         self.kv_shape = ((num_blocks, num_kv_heads, page_size, head_dim) if kv_layout == "HND" else
                          (num_blocks, page_size, num_kv_heads, head_dim))
         self.q_shape = (total_q, num_heads, head_dim)
+        # q and out may be views (a slice of a fused QKV projection): any token and head strides.
+        self.q_strides = (*T.dynamic("q_stride_t, q_stride_h"), 1)
+        self.out_strides = (*T.dynamic("out_stride_t, out_stride_h"), 1)
         self.pages = list(range(max(1, block_N // page_size)))  # page copies per KV tile (Python-unrolled)
         rows_per_copy = min(page_size, block_N)
         band = min(head_dim, 1024 // BITS[dtype])  # 128 bytes: the widest TMA box of a swizzled tile
+        # An 8-bit ring is only converted, never read by wgmma: TileLang keeps it unswizzled, where a TMA box
+        # must be a contiguous run, i.e. whole rows (head_dim <= 256 bytes, within the box limit).
+        kv_band = head_dim if BITS[kv_dtype] == 8 else band
         accum = "float32"
-        scale_log2 = scale * LOG2E  # exp2 is one instruction: softmax runs in the log2 domain
+        # The softmax runs in the log2 domain (exp2 is one instruction) on raw scores times `unit_log2`:
+        # unscaled q . k (its max taken before the scale, one FFMA + EX2 per score), or, with a soft cap,
+        # the capped scaled score (tanh needs the scale first).
+        unit_log2 = LOG2E if self.capped else scale * LOG2E
+        unit = 1.0 if self.capped else scale  # a score unit, in natural-log units
 
         def page_rows(kt, p):
             off = (kt * block_N + p * rows_per_copy) % page_size
             return slice(off, off + rows_per_copy)
 
-        def page_ids(BlockTables, seq, kv_len, kt):
-            # Pages past the sequence's last one repeat it (table entries there may be invalid).
-            return [BlockTables[seq, T.min(kt * block_N + p * rows_per_copy, kv_len - 1) // page_size]
-                    for p in self.pages]
+        def page_ids(BlockTables, seq, kv_len, kt, lo):
+            # Pages past the sequence's last one repeat it, and with a window, pages before the first one
+            # any query row sees (position `lo`) repeat that one: table entries there may be invalid (freed).
+            return [BlockTables[seq, T.min(self.clamp_lo(kt * block_N + p * rows_per_copy, lo), kv_len - 1)
+                                // page_size] for p in self.pages]
         self.page_ids = page_ids
+        self.clamp_lo = lambda pos, lo: T.max(pos, lo) if window_left >= 0 else pos
 
         @T.macro
         def load_pages(cache, dst, blocks, kv_head, kt, bars=None, st=None, multicast=None):
@@ -47,16 +65,16 @@ class TilePlan:
             # `st` of a ring whose copies all complete on bars[st] (T.tma_copy), multicast to the cluster
             # CTAs of the `multicast` mask when given.
             for p in self.pages:
-                for c in range(0, head_dim, band):
+                for c in range(0, head_dim, kv_band):
                     rows = slice(p * rows_per_copy, (p + 1) * rows_per_copy)
                     if kv_layout == "HND":
-                        src = cache[blocks[p], kv_head, page_rows(kt, p), c:c + band]
+                        src = cache[blocks[p], kv_head, page_rows(kt, p), c:c + kv_band]
                     else:
-                        src = cache[blocks[p], page_rows(kt, p), kv_head, c:c + band]
+                        src = cache[blocks[p], page_rows(kt, p), kv_head, c:c + kv_band]
                     if bars is None:
-                        T.copy(src, dst[rows, c:c + band])
+                        T.copy(src, dst[rows, c:c + kv_band])
                     else:
-                        T.tma_copy(src, dst[st, rows, c:c + band], barrier=bars[st], cluster_mask=multicast,
+                        T.tma_copy(src, dst[st, rows, c:c + kv_band], barrier=bars[st], cluster_mask=multicast,
                                    leader_scope_threads=32)
         self.load_pages = load_pages
 
@@ -86,23 +104,68 @@ class TilePlan:
 
         @T.macro
         def load_slopes(AlibiSlopes, slope, head0):
-            # In units of raw scores (the softmax scales them): alibi slope / scale.
+            # In score units (the softmax scales them): alibi slope / unit.
             for i in T.Parallel(block_M):
-                slope[i] = AlibiSlopes[head0 + i % pack] / scale
+                slope[i] = AlibiSlopes[head0 + i % pack] / unit
         self.load_slopes = load_slopes
 
+        def score(x, k_mult):
+            # A raw score of the tile: q . k of the stored (8-bit: times k_scale) K, soft-capped.
+            x = x * k_mult if self.fp8 else x
+            return soft_cap * T.tanh(x * (scale / soft_cap)) if self.capped else x
+
         @T.macro
-        def mask_scores(acc_s, slope, kt, pos0):
-            # Causal mask (and ALiBi, in units of raw scores: slope = alibi slope / scale).
+        def map_scores(acc_s, k_mult):
+            # k_scale and the soft cap alone, on a tile that needs no mask.
             for i, j in T.Parallel(block_M, block_N):
-                rel = kt * block_N + j - (pos0 + i // pack)  # t - (history + token): visible if <= 0
+                acc_s[i, j] = score(acc_s[i, j], k_mult)
+
+        @T.macro
+        def mask_scores(acc_s, slope, kt, pos0, k_mult=None):
+            # Soft cap, ALiBi (slope in score units), the causal mask (-inf) and the window's left edge:
+            # a finite NEG there, because a row may see none of a window's first tile (its running max
+            # then stays finite and the next tile's rescale, exp2(NEG - m) = 0, clears what it summed).
+            for i, j in T.Parallel(block_M, block_N):
+                rel = kt * block_N + j - (pos0 + i // pack)  # t - p: visible if -window_left <= rel <= 0
+                x = score(acc_s[i, j], k_mult)
                 if use_alibi:
-                    acc_s[i, j] = T.if_then_else(rel <= 0, acc_s[i, j] + slope[i] * rel, -T.infinity(accum))
-                else:
-                    acc_s[i, j] = T.if_then_else(rel <= 0, acc_s[i, j], -T.infinity(accum))
+                    x = x + slope[i] * rel
+                if window_left >= 0:
+                    x = T.if_then_else(rel < -window_left, T.cast(NEG, accum), x)
+                acc_s[i, j] = T.if_then_else(rel <= 0, x, -T.infinity(accum))
         self.mask_scores = mask_scores
 
-        self.softmax_step = online_softmax_step(scale_log2)
+        def needs_mask(kt, pos0):
+            """Whether KV tile kt needs mask_scores for a query tile from position pos0: ALiBi, the
+            diagonal, or the window's left edge (any of the tile's rows)."""
+            if use_alibi:
+                return True
+            diagonal = (kt + 1) * block_N > pos0 + 1
+            if window_left >= 0:
+                return T.Or(diagonal, kt * block_N + window_left < pos0 + self.tokens - 1)
+            return diagonal
+
+        @T.macro
+        def shape_scores(acc_s, slope, kt, pos0, k_mult=None):
+            # The full mask where the tile needs one, else k_scale and the soft cap alone (if any).
+            if self.capped or self.fp8:
+                if needs_mask(kt, pos0):
+                    mask_scores(acc_s, slope, kt, pos0, k_mult)
+                else:
+                    map_scores(acc_s, k_mult)
+            elif needs_mask(kt, pos0):
+                mask_scores(acc_s, slope, kt, pos0)
+        self.shape_scores = shape_scores
+
+        self.softmax_step = online_softmax_step(unit_log2)
+
+        @T.macro
+        def store_lse(Lse, m_cur, denom, q_begin, q0, head0, rows):
+            # ln sum exp of the final scores: m * unit + ln(denom) (m, the running max in score units).
+            for i in T.Parallel(block_M):
+                if i // pack < rows:
+                    Lse[q_begin + q0 + i // pack, head0 + i % pack] = m_cur[i] * unit + T.log(denom[i])
+        self.store_lse = store_lse
 
         @T.macro
         def zero_v_tail(v_s, kt, kv_len, st=None):
@@ -112,6 +175,18 @@ class TilePlan:
                 idx = (j, d) if st is None else (st, j, d)
                 v_s[idx] = T.if_then_else(kt * block_N + j < kv_len, v_s[idx], T.cast(0, dtype))
         self.zero_v_tail = zero_v_tail
+
+        @T.macro
+        def convert_kv(ring, st, dst, kt, kv_len, zero_tail):
+            # Stage st of an 8-bit K / V ring into the 16-bit tile `dst` for the 16-bit products (exact: e4m3
+            # values fit fp16 / bf16); with `zero_tail`, rows past the sequence end as 0 (they may hold NaN).
+            for j, d in T.Parallel(block_N, head_dim):
+                x = T.cast(T.cast(ring[st, j, d], accum), dtype)
+                if zero_tail:
+                    dst[j, d] = T.if_then_else(kt * block_N + j < kv_len, x, T.cast(0, dtype))
+                else:
+                    dst[j, d] = x
+        self.convert_kv = convert_kv
 
         @T.macro
         def store_out_tma(Out, ring, qb, q_begin, q0, head0, warp, warps):
@@ -126,18 +201,27 @@ class TilePlan:
                                Out[q_begin + q0 + t, head0:head0 + pack, c:c + band], leader_scope_threads=32)
         self.store_out_tma = store_out_tma
 
+        def output(acc_o, denom, i, d, v_mult):
+            """Row i, column d of the normalized O (8-bit cache: times v_scale)."""
+            return acc_o[i, d] * (v_mult / denom[i]) if self.fp8 else acc_o[i, d] / denom[i]
+        self.output = output
+
         @T.macro
-        def store_out(Out, acc_o, denom, q_begin, q0, head0, rows):
+        def store_out(Out, acc_o, denom, q_begin, q0, head0, rows, v_mult=None):
             for i, d in T.Parallel(block_M, head_dim):
                 if i // pack < rows:
-                    Out[q_begin + q0 + i // pack, head0 + i % pack, d] = T.cast(acc_o[i, d] / denom[i], dtype)
+                    Out[q_begin + q0 + i // pack, head0 + i % pack, d] = T.cast(output(acc_o, denom, i, d, v_mult),
+                                                                                dtype)
         self.store_out = store_out
 
     def tile(self, TileSeq, TileQ0, CumSeqLensQ, SeqLens, tile, head_group, exists=True, part=0, parts=1):
-        """The CTA's query tile: (busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows, steps).
+        """The CTA's query tile: (busy, seq, kv_head, head0, q_begin, q_len, q0, kv_len, pos0, rows, lo,
+        kt0, steps): KV tiles kt0 .. steps - 1 hold its keys, from position lo on (lo, kt0 > 0 only with a
+        window; positions before lo are masked, and read from lo's page).
         A schedule tile holds `parts` query tiles of `tokens` tokens (the CTAs of a cluster, which share
         its KV tiles); this CTA takes query tile `part`, whose rows may all lie past the sequence end
-        (rows = 0), and all of them run the KV steps up to the schedule tile's diagonal. An idle tile (or
+        (rows = 0), and all of them run the same KV steps: from the window's left edge of the schedule
+        tile's first token to the diagonal of its last one. An idle tile (or
         one that does not `exist`: `tile` is then clamped by the caller) reads sequence 0's scalars, runs
         zero KV steps and writes nothing."""
         busy = T.And(exists, TileSeq[tile] >= 0)
@@ -152,5 +236,9 @@ class TilePlan:
         q0 = first + part * self.tokens
         pos0 = kv_len - q_len + q0  # KV position of the tile's first query row
         rows = T.max(T.min(self.tokens, span - part * self.tokens), 0)  # valid tokens in this tile
-        return busy, seq, head0 // self.groups, head0, q_begin, q_len, q0, kv_len, pos0, rows, steps
+        lo, kt0 = 0, 0
+        if self.window_left >= 0:  # KV tiles wholly left of every row's window are never read
+            lo = T.if_then_else(busy, T.max(kv_len - q_len + first - self.window_left, 0), 0)
+            kt0 = T.min(lo // self.block_N, steps)
+        return busy, seq, head0 // self.groups, head0, q_begin, q_len, q0, kv_len, pos0, rows, lo, kt0, steps
 

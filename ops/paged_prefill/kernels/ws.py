@@ -1,7 +1,8 @@
 """The warp-specialized persistent kernel (fp16/bf16, pages of >= 16 rows), FlashAttention-3 style.
 
-One CTA per SM walks (query tile, head group) work items. In the producer warpgroup one warp loads each
-item's Q tile by TMA (two Q buffers where they fit, so a whole item ahead) and hands the item's scalars
+One CTA per SM walks (query tile, head group) work items, pulled from a device counter as it gets free (a
+dynamic schedule, as FA3's: a CTA whose SM another stream holds takes fewer items). In the producer
+warpgroup one warp loads each item's Q tile by TMA (two Q buffers where they fit, so a whole item ahead) and hands the item's scalars
 (sequence, position, KV steps) to the others in shared memory with it; another warp loads whole pages of
 K and V by TMA (one copy per page, or `block_N` slice of a larger page, and 128-byte column band) into a
 ring of `num_stages` buffers, one full / free mbarrier pair per buffer, running into the next item as soon
@@ -21,22 +22,26 @@ from collections import namedtuple
 import tilelang.language as T
 
 from ...common.runtime import max_active_clusters
-from ..tiling import WS_BLOCK_M, WS_THREADS, ws_smem_bytes, ws_smem_fits
+from ..tiling import BITS, WS_BLOCK_M, WS_THREADS, ws_smem_bytes, ws_smem_fits
 from .tile_plan import TilePlan
 
 WS_Q_WARP = 9  # loads Q tiles; warp 8 loads K and V (K alone in a cluster, V then on warp 10), never waiting on Q
 # Slots of a work item's scalars in shared memory: the Q warp writes them, the K/V warp and the consumers
 # read them.
-_STEPS, _KV_LEN, _POS0, _Q_BEGIN, _Q0, _HEAD0, _ROWS, _SEQ = range(8)
+# _LAST: 1 on the item past the last one (idle: no KV step, nothing stored), after which every role stops.
+_STEPS, _KV_LEN, _POS0, _Q_BEGIN, _Q0, _HEAD0, _ROWS, _LO, _KT0, _LAST, _SEQ = range(11)
 
 # What a producer warp needs to fill one K or V ring: the cache, the ring, its free / full mbarriers.
 _KVStream = namedtuple("_KVStream", "cache ring free full")
 # The kernel's buffers, handed to its phases: global tensors, shared rings and their mbarriers, and the
 # consumers' register fragments. (Per-thread scalars, `T.alloc_var`, go to the phases one by one as
 # `T.Ref` arguments: a var read through a tuple would not load.)
-_Global = namedtuple("_Global", "Q KCache VCache BlockTables SeqLens CumSeqLensQ AlibiSlopes TileSeq TileQ0 Out")
-_Shared = namedtuple("_Shared", "q_ring k_ring v_ring k_full v_full k_free v_free q_full q_free item_s")
-_Frags = namedtuple("_Frags", "acc_s acc_p acc_o m_prev m_cur rescale row_sum denom slope")
+_Global = namedtuple("_Global", "Q KCache VCache BlockTables SeqLens CumSeqLensQ AlibiSlopes KVScales TileSeq "
+                                 "TileQ0 Out Lse Sched")
+# k_conv / v_conv: the 16-bit tiles an 8-bit cache's stages are converted into (None for a 16-bit cache).
+_Shared = namedtuple("_Shared", "q_ring k_ring v_ring k_full v_full k_free v_free q_full q_free item_s k_conv v_conv")
+# kv_mult: [k_scale, v_scale] of an 8-bit cache, in registers.
+_Frags = namedtuple("_Frags", "acc_s acc_p acc_o m_prev m_cur rescale row_sum denom slope kv_mult")
 
 
 def ring_stage(i, depth):
@@ -58,15 +63,51 @@ class _ProducerPhases:
         num_tiles = plan.dims[4]
         multicast = (1 << cluster) - 1 if cluster > 1 else None  # the CTAs a K/V copy lands in
 
-        def work_tile(gm, cid, rank, w):
-            """plan.tile of the w-th work item of cluster `cid`, part `rank`. Items are (tile, head group)
-            pairs, longest first, dealt to the clusters in rounds that alternate direction: dealt
-            round-robin, cluster 0 would get the longest item of every round (3% of 4x4k's time in the
-            slowest CTA's surplus)."""
-            work = w * num_clusters + T.if_then_else(w % 2 == 0, cid, num_clusters - 1 - cid)
+        def work_tile(gm, rank, work):
+            """plan.tile of work item `work`, part `rank`: items are (tile, head group) pairs, longest first;
+            past the last one, an idle item."""
             tile = T.min(work // head_groups, num_tiles - 1)
             return plan.tile(gm.TileSeq, gm.TileQ0, gm.CumSeqLensQ, gm.SeqLens, tile, work % head_groups,
                              work < num_tiles * head_groups, rank, cluster)
+
+        @T.macro
+        def next_work(gm, cid, rank, tx, w, work: T.Ref, spin: T.Ref):
+            # The cluster's w-th item: cid, then the next free one of the counter Sched[0], pulled when the
+            # cluster gets to it (dynamic: a CTA that starts late, its SM held by another stream, takes fewer
+            # items; an item's math does not depend on who runs it). Lane 0 of the Q warp pulls, the warp
+            # gets it by shuffle. In a cluster, rank 0 pulls and posts it to the other rank in the one-slot
+            # mailbox Sched[1 + cid] (0: empty, else item + 1); the pair is co-resident, so the spin-waits
+            # cannot stall on a CTA that is not running.
+            if w == 0:
+                work = cid
+            else:
+                if tx == WS_Q_WARP * 32:
+                    if cluster == 1:
+                        work = T.atomic_add(gm.Sched[0], 1, return_prev=True) + num_clusters
+                    elif rank == 0:
+                        work = T.atomic_add(gm.Sched[0], 1, return_prev=True) + num_clusters
+                        spin = 1
+                        while spin != 0:
+                            spin = T.atomic_load(gm.Sched[1 + cid], memory_order="acquire")
+                        T.atomic_store(gm.Sched[1 + cid], work + 1, memory_order="release")
+                    else:
+                        spin = 0
+                        while spin == 0:
+                            spin = T.atomic_load(gm.Sched[1 + cid], memory_order="acquire")
+                        T.atomic_store(gm.Sched[1 + cid], 0, memory_order="release")
+                        work = spin - 1
+                work = T.shfl_sync(work, 0)
+
+        @T.macro
+        def finish(gm, rank, tx, done: T.Ref):
+            # After the Q warp's last item: the last cluster to finish zeroes the counter (and its own count,
+            # Sched[-1]), so the buffer is ready for the next launch (no other pull can follow).
+            if tx == WS_Q_WARP * 32 and rank == 0:
+                # acq_rel: every other cluster's last pull is ordered before the reset
+                done = T.atomic_add(gm.Sched[num_clusters + 1], 1, return_prev=True, memory_order="acq_rel")
+                if done == num_clusters - 1:
+                    T.atomic_store(gm.Sched[0], 0)
+                    T.atomic_store(gm.Sched[num_clusters + 1], 0)
 
         @T.macro
         def claim(free, full, st, phase, rank):
@@ -78,43 +119,51 @@ class _ProducerPhases:
                 T.barrier_wait(free[st], phase ^ 1)
 
         @T.macro
-        def kv_rings(streams, q_full, BlockTables, item_s, items, rank):
+        def kv_rings(streams, q_full, BlockTables, item_s, rank):
             # A producer warp's K and/or V streams (_KVStream): every KV step of every item, behind the item's
             # Q tile.
             step = T.alloc_var("int32", init=0)  # KV steps loaded: ring stage and phase
-            for w in T.serial(items):
+            w = T.alloc_var("int32", init=0)
+            more = T.alloc_var("int32", init=1)
+            while more > 0:
                 qb = ring_stage(w, q_stages)
                 T.barrier_wait(q_full[qb], ring_phase(w, q_stages))
+                more = 1 - item_s[qb, _LAST]  # read now: the slot is refilled once the consumers are done
+                kt0_p = item_s[qb, _KT0]
+                lo_p = item_s[qb, _LO]
                 steps_p = item_s[qb, _STEPS]
                 kv_len_p = item_s[qb, _KV_LEN]
                 kv_head = item_s[qb, _HEAD0] // plan.groups
                 seq = item_s[qb, _SEQ]
-                for kt in T.serial(steps_p):
+                for kt in T.serial(kt0_p, steps_p):
                     st = ring_stage(step, num_stages)
                     phase = ring_phase(step, num_stages)
-                    blocks = plan.page_ids(BlockTables, seq, kv_len_p, kt)
+                    blocks = plan.page_ids(BlockTables, seq, kv_len_p, kt, lo_p)
                     for kv in streams:  # (not unpacked: a builder assignment would rename the buffers)
                         claim(kv.free, kv.full, st, phase, rank)
                         plan.load_pages(kv.cache, kv.ring, blocks, kv_head, kt, kv.full, st, multicast)
                         T.barrier_arrive(kv.full[st])
                     step = step + 1
+                w = w + 1
 
         @T.macro
-        def issue_q(gm, sm, cid, rank, tx, w):
-            # Q tile and scalars of item w, handed to the consumers and the K/V warp through q_full (its
-            # arrival releases the scalars' shared stores).
-            _, seq, _, head0, q_begin, q_len, q0, kv_len, pos0, rows, steps = work_tile(gm, cid, rank, w)
+        def issue_q(gm, sm, rank, tx, w, work):
+            # Q tile and scalars of the cluster's w-th item (work item `work`), handed to the consumers and the
+            # K/V warp through q_full (its arrival releases the scalars' shared stores).
+            _, seq, _, head0, q_begin, q_len, q0, kv_len, pos0, rows, lo, kt0, steps = work_tile(gm, rank, work)
+            last = T.if_then_else(work < num_tiles * head_groups, 0, 1)
             qb = ring_stage(w, q_stages)
             T.barrier_wait(sm.q_free[qb], ring_phase(w, q_stages) ^ 1)
             plan.load_q_tma(gm.Q, sm.q_ring, sm.q_full, qb, q_begin, q0, q_len, head0)
             if tx == WS_Q_WARP * 32:
                 for slot, v in ((_STEPS, steps), (_KV_LEN, kv_len), (_POS0, pos0),
-                                (_Q_BEGIN, q_begin), (_Q0, q0), (_HEAD0, head0), (_ROWS, rows), (_SEQ, seq)):
+                                (_Q_BEGIN, q_begin), (_Q0, q0), (_HEAD0, head0), (_ROWS, rows), (_LO, lo), (_KT0, kt0),
+                                (_LAST, last), (_SEQ, seq)):
                     sm.item_s[qb, slot] = v
             T.barrier_arrive(sm.q_full[qb])
 
         @T.macro
-        def producer(gm, sm, cid, rank, tx, items):
+        def producer(gm, sm, cid, rank, tx):
             # The producer warpgroup: K/V warp(s), and a Q warp that also writes the item scalars.
             T.set_max_nreg(40, 0)  # at 24 the page-id math spills (128 B at 16-row pages)
             k_stream = _KVStream(gm.KCache, sm.k_ring, sm.k_free, sm.k_full)
@@ -123,13 +172,19 @@ class _ProducerPhases:
                 # (a cluster's stage waits on every CTA's consumers: K's lookahead must not queue
                 # behind V's slower free slot, 4.5% at 4x4k on an H200)
                 kv_rings([k_stream, v_stream] if cluster == 1 else [k_stream], sm.q_full, gm.BlockTables,
-                         sm.item_s, items, rank)
+                         sm.item_s, rank)
             elif tx < WS_Q_WARP * 32 + 32:
-                for w in T.serial(items):
-                    issue_q(gm, sm, cid, rank, tx, w)
+                w = T.alloc_var("int32", init=0)
+                work = T.alloc_var("int32", init=0)
+                spin = T.alloc_var("int32", init=0)
+                while work < num_tiles * head_groups:  # ends after handing over the idle item past the last
+                    next_work(gm, cid, rank, tx, w, work, spin)
+                    issue_q(gm, sm, rank, tx, w, work)
+                    w = w + 1
+                finish(gm, rank, tx, spin)
             elif tx < WS_Q_WARP * 32 + 64:
                 if cluster > 1:  # warp 10: V
-                    kv_rings([v_stream], sm.q_full, gm.BlockTables, sm.item_s, items, rank)
+                    kv_rings([v_stream], sm.q_full, gm.BlockTables, sm.item_s, rank)
 
         self.producer = producer
 
@@ -141,6 +196,7 @@ class _ConsumerPhases:
     def __init__(self, plan: TilePlan, head_dim: int, dtype: str, use_alibi: bool, num_stages: int,
                  q_stages: int, cluster: int, tma_out: bool):
         block_M, block_N, accum = WS_BLOCK_M, plan.block_N, "float32"
+        fp8 = plan.kv_dtype != dtype  # 8-bit stages, converted by the consumers for 16-bit products
 
         @T.macro
         def release(free, st, tx):
@@ -152,13 +208,15 @@ class _ConsumerPhases:
                 T.mbarrier_arrive(free[st], 0)
 
         @T.macro
-        def begin_item(gm, sm, rf, qb, w, steps: T.Ref, kv_len: T.Ref, pos0: T.Ref, q_begin: T.Ref,
-                       q0: T.Ref, head0: T.Ref, rows: T.Ref):
+        def begin_item(gm, sm, rf, qb, w, last: T.Ref, kt0: T.Ref, steps: T.Ref, kv_len: T.Ref, pos0: T.Ref,
+                       q_begin: T.Ref, q0: T.Ref, head0: T.Ref, rows: T.Ref):
             # Fresh accumulators, then the item's Q tile and scalars from the Q warp.
             T.fill(rf.acc_o, 0)
             T.fill(rf.denom, 0)
             T.fill(rf.m_cur, -T.infinity(accum))
             T.barrier_wait(sm.q_full[qb], ring_phase(w, q_stages))
+            last = sm.item_s[qb, _LAST]
+            kt0 = sm.item_s[qb, _KT0]
             steps = sm.item_s[qb, _STEPS]
             kv_len = sm.item_s[qb, _KV_LEN]
             pos0 = sm.item_s[qb, _POS0]
@@ -170,41 +228,72 @@ class _ConsumerPhases:
                 plan.load_slopes(gm.AlibiSlopes, rf.slope, head0)
 
         @T.macro
-        def kv_step(sm, rf, qb, kt, step: T.Ref, pos0: T.Ref, tx):
-            # Scores of step kt, then P @ V of step kt-1 behind them: the softmax below runs while the
-            # tensor cores finish that product.
-            st = ring_stage(step + kt, num_stages)
-            prev = ring_stage(step + kt - 1, num_stages)
-            T.barrier_wait(sm.k_full[st], ring_phase(step + kt, num_stages))
-            T.wgmma_gemm(sm.q_ring[qb, :, :], sm.k_ring[st, :, :], rf.acc_s, transpose_B=True, clear_accum=True,
-                         policy=T.GemmWarpPolicy.FullRow)
-            if kt > 0:
-                T.barrier_wait(sm.v_full[prev], ring_phase(step + kt - 1, num_stages))
-                T.wgmma_gemm(rf.acc_p, sm.v_ring[prev, :, :], rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
-                T.wait_wgmma(1)
+        def kv_step(gm, sm, rf, qb, i, kt0: T.Ref, step: T.Ref, pos0: T.Ref, kv_len: T.Ref, tx):
+            # Scores of the item's i-th step (KV tile kt0 + i), then P @ V of step i-1 behind them: the
+            # softmax below runs while the tensor cores finish that product. acc_p, which that product
+            # reads, was written by step i-1 (step 0 issues no P @ V).
+            kt = kt0 + i
+            st = ring_stage(step + i, num_stages)
+            prev = ring_stage(step + i - 1, num_stages)
+            T.barrier_wait(sm.k_full[st], ring_phase(step + i, num_stages))
+            if fp8:
+                # K of stage st and V of stage prev into the 16-bit tiles, between two barriers of the 256
+                # consumer threads (before: the other warpgroup's products of the last step are done with
+                # them; after: the products read them whole), then both ring stages go back.
+                T.sync_threads(1, 256)
+                plan.convert_kv(sm.k_ring, st, sm.k_conv, kt, kv_len, False)
+                if i > 0:
+                    T.barrier_wait(sm.v_full[prev], ring_phase(step + i - 1, num_stages))
+                    plan.convert_kv(sm.v_ring, prev, sm.v_conv, kt - 1, kv_len, False)
+                T.fence_proxy_async()  # the shared stores, before the products (async proxy) read them
+                T.sync_threads(1, 256)
+                release(sm.k_free, st, tx)
+                if i > 0:
+                    release(sm.v_free, prev, tx)
+                T.wgmma_gemm(sm.q_ring[qb, :, :], sm.k_conv, rf.acc_s, transpose_B=True, clear_accum=True,
+                             policy=T.GemmWarpPolicy.FullRow)
+                if i > 0:
+                    T.wgmma_gemm(rf.acc_p, sm.v_conv, rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(1)
+                else:
+                    T.wait_wgmma(0)
             else:
-                T.wait_wgmma(0)
-            release(sm.k_free, st, tx)
-            if use_alibi or (kt + 1) * block_N > pos0 + 1:  # the tile crosses the diagonal
-                plan.mask_scores(rf.acc_s, rf.slope, kt, pos0)
+                T.wgmma_gemm(sm.q_ring[qb, :, :], sm.k_ring[st, :, :], rf.acc_s, transpose_B=True,
+                             clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                if i > 0:
+                    T.barrier_wait(sm.v_full[prev], ring_phase(step + i - 1, num_stages))
+                    T.wgmma_gemm(rf.acc_p, sm.v_ring[prev, :, :], rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(1)
+                else:
+                    T.wait_wgmma(0)
+                release(sm.k_free, st, tx)
+            plan.shape_scores(rf.acc_s, rf.slope, kt, pos0, rf.kv_mult[0])
             plan.softmax_step(rf.acc_s, rf.m_cur, rf.m_prev, rf.rescale, rf.row_sum, rf.denom)
             T.wait_wgmma(0)
-            if kt > 0:
+            if not fp8 and i > 0:
                 release(sm.v_free, prev, tx)
             for i, d in T.Parallel(block_M, head_dim):
                 rf.acc_o[i, d] *= rf.rescale[i]
             T.copy(rf.acc_s, rf.acc_p)
 
         @T.macro
-        def last_pv(sm, rf, step: T.Ref, steps: T.Ref, kv_len: T.Ref, tx):
+        def last_pv(gm, sm, rf, step: T.Ref, kt0: T.Ref, steps: T.Ref, kv_len: T.Ref, tx):
             # P @ V of the last step (past the sequence end, the V rows are zeroed).
-            if steps > 0:
-                last = ring_stage(step + steps - 1, num_stages)
-                T.barrier_wait(sm.v_full[last], ring_phase(step + steps - 1, num_stages))
-                if steps * block_N > kv_len:
-                    plan.zero_v_tail(sm.v_ring, steps - 1, kv_len, last)
-                T.gemm(rf.acc_p, sm.v_ring[last, :, :], rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
-                release(sm.v_free, last, tx)
+            if steps > kt0:
+                last = ring_stage(step + steps - kt0 - 1, num_stages)
+                T.barrier_wait(sm.v_full[last], ring_phase(step + steps - kt0 - 1, num_stages))
+                if fp8:  # as in kv_step
+                    T.sync_threads(1, 256)
+                    plan.convert_kv(sm.v_ring, last, sm.v_conv, steps - 1, kv_len, True)
+                    T.fence_proxy_async()
+                    T.sync_threads(1, 256)
+                    release(sm.v_free, last, tx)
+                    T.gemm(rf.acc_p, sm.v_conv, rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
+                else:
+                    if steps * block_N > kv_len:
+                        plan.zero_v_tail(sm.v_ring, steps - 1, kv_len, last)
+                    T.gemm(rf.acc_p, sm.v_ring[last, :, :], rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
+                    release(sm.v_free, last, tx)
 
         @T.macro
         def store_item(gm, sm, rf, qb, q_begin: T.Ref, q0: T.Ref, head0: T.Ref, rows: T.Ref, tx):
@@ -212,38 +301,47 @@ class _ConsumerPhases:
             if tma_out and rows == plan.tokens:
                 # The scores' products, the Q tile's only readers, are done: O goes through it.
                 for i, d in T.Parallel(block_M, head_dim):
-                    sm.q_ring[qb, i, d] = T.cast(rf.acc_o[i, d] / rf.denom[i], dtype)
+                    sm.q_ring[qb, i, d] = T.cast(plan.output(rf.acc_o, rf.denom, i, d, rf.kv_mult[1]), dtype)
                 T.fence_proxy_async()  # the shared stores, before the TMA engine reads them
                 T.sync_threads(1, 256)
                 plan.store_out_tma(gm.Out, sm.q_ring, qb, q_begin, q0, head0, tx // 32, 8)
             else:
-                plan.store_out(gm.Out, rf.acc_o, rf.denom, q_begin, q0, head0, rows)
+                plan.store_out(gm.Out, rf.acc_o, rf.denom, q_begin, q0, head0, rows, rf.kv_mult[1])
+            plan.store_lse(gm.Lse, rf.m_cur, rf.denom, q_begin, q0, head0, rows)
             T.tma_store_wait(0)  # the O store's reads of the Q buffer, before handing it back
             T.barrier_arrive(sm.q_free[qb])
 
         @T.macro
-        def consumer(gm, sm, rf, step: T.Ref, steps: T.Ref, kv_len: T.Ref, pos0: T.Ref, q_begin: T.Ref,
-                     q0: T.Ref, head0: T.Ref, rows: T.Ref, tx, items):
+        def consumer(gm, sm, rf, step: T.Ref, last: T.Ref, kt0: T.Ref, steps: T.Ref, kv_len: T.Ref, pos0: T.Ref,
+                     q_begin: T.Ref, q0: T.Ref, head0: T.Ref, rows: T.Ref, tx):
             # The two consumer warpgroups: 64 query rows each.
             T.set_max_nreg(232, 1)  # 128 x 40 + 256 x 232 fits the 168 x 384 of the launch
-            for w in T.serial(items):
+            if plan.fp8:
+                for k in T.serial(2):
+                    rf.kv_mult[k] = gm.KVScales[k]
+            w = T.alloc_var("int32", init=0)
+            last = 0
+            while last == 0:
                 qb = ring_stage(w, q_stages)
-                begin_item(gm, sm, rf, qb, w, steps, kv_len, pos0, q_begin, q0, head0, rows)
-                for kt in T.serial(steps):
-                    kv_step(sm, rf, qb, kt, step, pos0, tx)
-                last_pv(sm, rf, step, steps, kv_len, tx)
+                begin_item(gm, sm, rf, qb, w, last, kt0, steps, kv_len, pos0, q_begin, q0, head0, rows)
+                for i in T.serial(steps - kt0):
+                    kv_step(gm, sm, rf, qb, i, kt0, step, pos0, kv_len, tx)
+                last_pv(gm, sm, rf, step, kt0, steps, kv_len, tx)
                 store_item(gm, sm, rf, qb, q_begin, q0, head0, rows, tx)
-                step = step + steps
+                step = step + steps - kt0
+                w = w + 1
 
         self.consumer = consumer
 
 
 def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
-                            use_alibi: bool, kv_layout: str, scale: float, num_ctas: int, block_N: int = 128,
+                            use_alibi: bool, kv_layout: str, scale: float, num_ctas: int, window_left: int = -1,
+                            soft_cap: float = 0.0, kv_dtype: str | None = None, block_N: int = 128,
                             num_stages: int = 2, cluster: int = 1):
     """Warp-specialized causal paged attention (module docstring), fp16/bf16, pages of >= 16 rows.
-    Persistent: `num_ctas` CTAs (one per SM) take the (tile, head group) work items round-robin, so the
-    producer loads the next item's first K/V tiles while the consumers finish the current one.
+    Persistent: `num_ctas` CTAs (one per SM) pull the (tile, head group) work items from the counter in
+    `Sched` (zeros at launch; the kernel leaves it zeroed), so the producer loads the next item's first K/V
+    tiles while the consumers finish the current one.
 
     With `cluster` > 1 a work item is `cluster` adjacent query tiles of one head group, one per CTA of a
     cluster, and all walk the same KV tiles (the last one's diagonal; the others mask the excess): rank 0
@@ -253,38 +351,47 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
     expect, once the stage's previous fill has landed. K and V then have a producer warp each."""
     block_M = WS_BLOCK_M
     plan = TilePlan(num_heads, num_kv_heads, head_dim, page_size, dtype, use_alibi, kv_layout, scale,
-                    block_M, block_N)
+                    block_M, block_N, window_left, soft_cap, kv_dtype)
+    kv_dtype, kv_bits = plan.kv_dtype, BITS[plan.kv_dtype]
     total_q, num_seqs, num_blocks, max_blocks, num_tiles = plan.dims
     head_groups = num_heads // plan.pack
     accum = "float32"
     # The producer loads the next item's Q while the consumers work on this one, when two Q tiles fit.
-    q_stages = 2 if ws_smem_fits(2, block_N, num_stages, head_dim) else 1
+    q_stages = 2 if ws_smem_fits(2, block_N, num_stages, head_dim, kv_bits) else 1
     # Full tiles stage O in their Q buffer and store it by TMA, split over the 8 consumer warps.
     tma_out = plan.tokens % 8 == 0
     # A persistent grid of clusters holds only those resident at once (one CTA per SM).
     num_clusters = num_ctas if cluster == 1 else min(num_ctas // cluster, max_active_clusters(
-        cluster, WS_THREADS, ws_smem_bytes(q_stages, block_N, num_stages, head_dim)))
+        cluster, WS_THREADS, ws_smem_bytes(q_stages, block_N, num_stages, head_dim, kv_bits)))
     producer = _ProducerPhases(plan, num_stages, q_stages, cluster, num_clusters, head_groups).producer
     consumer = _ConsumerPhases(plan, head_dim, dtype, use_alibi, num_stages, q_stages, cluster, tma_out).consumer
 
     @T.prim_func
     def paged_prefill_ws(
-        Q: T.Tensor(plan.q_shape, dtype),
-        KCache: T.Tensor(plan.kv_shape, dtype),
-        VCache: T.Tensor(plan.kv_shape, dtype),
+        Q: T.StridedTensor(plan.q_shape, plan.q_strides, dtype),
+        KCache: T.Tensor(plan.kv_shape, kv_dtype),
+        VCache: T.Tensor(plan.kv_shape, kv_dtype),
         BlockTables: T.Tensor((num_seqs, max_blocks), "int32"),
         SeqLens: T.Tensor((num_seqs,), "int32"),
         CumSeqLensQ: T.Tensor((num_seqs + 1,), "int32"),
         AlibiSlopes: T.Tensor((num_heads,), "float32"),
+        KVScales: T.Tensor((2,), "float32"),
         TileSeq: T.Tensor((num_tiles,), "int32"),
         TileQ0: T.Tensor((num_tiles,), "int32"),
-        Out: T.Tensor(plan.q_shape, dtype),
+        Out: T.StridedTensor(plan.q_shape, plan.out_strides, dtype),
+        Lse: T.Tensor(plan.q_shape[:2], accum),
+        # item counter, cluster mailboxes, finished clusters (at [num_clusters + 1]): zeros, any longer length
+        Sched: T.Tensor((T.dynamic("sched_len"),), "int32"),
     ):
         with T.Kernel(cluster, num_clusters, threads=WS_THREADS,
                       cluster_dims=(cluster, 1, 1) if cluster > 1 else None) as (rank, cid):
             q_ring = T.alloc_shared((q_stages, block_M, head_dim), dtype)
-            k_ring = T.alloc_shared((num_stages, block_N, head_dim), dtype)
-            v_ring = T.alloc_shared((num_stages, block_N, head_dim), dtype)
+            k_ring = T.alloc_shared((num_stages, block_N, head_dim), kv_dtype)
+            v_ring = T.alloc_shared((num_stages, block_N, head_dim), kv_dtype)
+            k_conv = v_conv = None
+            if kv_bits == 8:
+                k_conv = T.alloc_shared((block_N, head_dim), dtype)
+                v_conv = T.alloc_shared((block_N, head_dim), dtype)
             k_full = T.alloc_barrier([32] * num_stages)  # the K/V warp arrives, TMA bytes complete it
             v_full = T.alloc_barrier([32] * num_stages)
             if cluster == 1:  # consumer threads arrive when done reading
@@ -298,6 +405,8 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             # The Q warp hands each item's scalars to the consumers and the K/V warp with its Q tile (their
             # global loads would otherwise stall them at every item start).
             item_s = T.alloc_shared((q_stages, _SEQ + 1), "int32")
+            last = T.alloc_var("int32")
+            kt0 = T.alloc_var("int32")
             steps = T.alloc_var("int32")
             kv_len = T.alloc_var("int32")
             pos0 = T.alloc_var("int32")
@@ -314,22 +423,24 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             row_sum = T.alloc_fragment((block_M,), accum)
             denom = T.alloc_fragment((block_M,), accum)
             slope = T.alloc_fragment((block_M,), accum)
+            kv_mult = T.alloc_local((2,), accum)
             step = T.alloc_var("int32", init=0)  # KV steps done by this CTA: ring stage and phase
             tx = T.get_thread_binding()
-            items = T.ceildiv(num_tiles * head_groups, num_clusters)  # rounds of work (work_tile)
             if cluster > 1:
                 # TileLang launches clusters with programmatic stream serialization allowed, so this grid
                 # may start before the stream's previous kernel (the schedule, or the caller's writes of
                 # Q / K / V) has finished; only this wait makes their results visible.
                 T.pdl_sync()
 
-            gm = _Global(Q, KCache, VCache, BlockTables, SeqLens, CumSeqLensQ, AlibiSlopes, TileSeq, TileQ0, Out)
-            sm = _Shared(q_ring, k_ring, v_ring, k_full, v_full, k_free, v_free, q_full, q_free, item_s)
-            rf = _Frags(acc_s, acc_p, acc_o, m_prev, m_cur, rescale, row_sum, denom, slope)
+            gm = _Global(Q, KCache, VCache, BlockTables, SeqLens, CumSeqLensQ, AlibiSlopes, KVScales, TileSeq,
+                         TileQ0, Out, Lse, Sched)
+            sm = _Shared(q_ring, k_ring, v_ring, k_full, v_full, k_free, v_free, q_full, q_free, item_s, k_conv,
+                         v_conv)
+            rf = _Frags(acc_s, acc_p, acc_o, m_prev, m_cur, rescale, row_sum, denom, slope, kv_mult)
             if tx >= 256:  # producer warpgroup
-                producer(gm, sm, cid, rank, tx, items)
+                producer(gm, sm, cid, rank, tx)
             else:  # consumer warpgroups
-                consumer(gm, sm, rf, step, steps, kv_len, pos0, q_begin, q0, head0, rows, tx, items)
+                consumer(gm, sm, rf, step, last, kt0, steps, kv_len, pos0, q_begin, q0, head0, rows, tx)
             if cluster > 1:  # no CTA leaves while the other may still multicast into it or arrive on it
                 T.cluster_sync()
 
