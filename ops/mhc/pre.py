@@ -174,16 +174,15 @@ class MHCForwardPreTileLang(Op):
                 torch.empty(tokens, n * n + 2 * n, **f32))
 
     def _split_workspace(self, tokens: int, device, block_t: int, splits: int):
-        """A mix kernel's partials [tiles, splits, block_t, NG + 1] and per-tile counts with `splits` > 1, else
-        one-tile stand-ins it never touches."""
-        rows = phi_split_rows(self.n) + 1
+        """A mix kernel's partials (flat [tiles, splits, block_t, NG + 1]) and per-tile counts with `splits` > 1,
+        else one-element stand-ins it never touches."""
         if splits == 1:
-            if (device, block_t) not in self._no_splits:
-                self._no_splits[device, block_t] = (torch.empty(1, 1, block_t, rows, device=device),
-                                                    torch.zeros(1, device=device, dtype=torch.int32))
-            return self._no_splits[device, block_t]
+            if device not in self._no_splits:
+                self._no_splits[device] = (torch.empty(1, device=device),
+                                           torch.zeros(1, device=device, dtype=torch.int32))
+            return self._no_splits[device]
         tiles = -(-tokens // block_t)
-        return (torch.empty(tiles, splits, block_t, rows, device=device),
+        return (torch.empty(tiles * splits * block_t * (phi_split_rows(self.n) + 1), device=device),
                 torch.zeros(tiles, device=device, dtype=torch.int32))
 
     def _kernel_args(self, x, phi, alpha, bias, outs):
@@ -211,9 +210,17 @@ class MHCForwardPreTileLang(Op):
                        *self._split_workspace(side, x2.device, _SIDE_CONFIG["block_t"], 1))
 
     def tune_args(self, x, phi, alpha, bias):
-        """Arguments of the tunable kernel (``tunable_kernel``) for these inputs."""
+        """Arguments of the tunable kernel (``tunable_kernel``) for these inputs, with a split workspace large
+        enough for every config of the space (the tuner runs them all on these arguments)."""
         self.check_inputs(x, phi, alpha, bias)
-        return self._kernel_args(x, phi, alpha, bias, self._outputs(x))
+        outs = self._outputs(x)
+        args = self._kernel_args(x, phi, alpha, bias, outs)
+        if self._fused is not None:
+            return args
+        tiles = {c["block_t"]: -(-outs[0].shape[0] // c["block_t"]) for c in self.config_space(self.spec)}
+        part = max(tiles[c["block_t"]] * c["splits"] * c["block_t"] for c in self.config_space(self.spec))
+        return args[:-2] + (torch.empty(part * (phi_split_rows(self.n) + 1), device=x.device),
+                            torch.zeros(max(tiles.values()), device=x.device, dtype=torch.int32))
 
     def __call__(self, x, phi, alpha, bias, return_aux: bool = False):
         self.check_inputs(x, phi, alpha, bias)

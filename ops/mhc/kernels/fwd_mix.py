@@ -37,15 +37,15 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
     """Per tile of `block_t` tokens: h_pre, h_post, h_res and inv_rms; with `apply` also h_in, from x read
     a second time (the side kernel of the single pass, see ops/mhc/pre.py). `splits` (a divisor of the
     n * Dp / block_k column chunks; 1 with `apply`) CTAs per tile, each over its share of the chunks, the
-    partials in Part [tiles, splits, block_t, NG + 1] and the arrivals counted in Count [tiles] (zero at the
-    first launch; each tile's last CTA zeroes its count again). With one split both are unused (one tile's worth
-    suffices)."""
+    partials in Part (flat, [tiles, splits, block_t, NG + 1] in that order, any longer length) and the arrivals
+    counted in Count [tiles or more] (zero at the first launch; each tile's last CTA zeroes its count again): one
+    buffer pair large enough for every config serves them all (the autotuner's). With one split both are unused."""
     N, NG = n * n + 2 * n, phi_split_rows(n)
     d_chunks = _round_up(D, _D_PAD) // block_k  # phi's copy is padded with zeros past D
     per_split = n * d_chunks // splits
     assert per_split * splits == n * d_chunks and not (apply and splits > 1)
     num_tokens = T.dynamic("num_tokens")
-    part_tiles, count_tiles = T.dynamic("part_tiles"), T.dynamic("count_tiles")
+    part_len, count_tiles = T.dynamic("part_len"), T.dynamic("count_tiles")
 
     @T.prim_func
     def mhc_pre_mix(
@@ -60,7 +60,7 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
         HPre: T.Tensor((num_tokens, n), "float32"),
         HMix: T.Tensor((num_tokens, N), "float32"),
         HIn: T.Tensor((num_tokens, D), "bfloat16"),  # written only with `apply`
-        Part: T.Tensor((part_tiles, splits, block_t, NG + 1), "float32"),  # used only with splits > 1
+        Part: T.Tensor((part_len,), "float32"),  # used only with splits > 1
         Count: T.Tensor((count_tiles,), "int32"),
     ):
         with T.Kernel(T.ceildiv(num_tokens, block_t), splits, threads=threads, prelude=_SPLIT_SRC) as (bx, sp):
@@ -104,7 +104,7 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
             last = T.alloc_shared((1,), "int32")
             if splits > 1:  # this split's partials out; the tile's last CTA sums every split's, in split order
                 for t, r in T.Parallel(block_t, NG + 1):
-                    Part[bx, sp, t, r] = T.if_then_else(r < NG, mix_s[t, T.min(r, NG - 1)], sumsq_s[t])
+                    Part[((bx * splits + sp) * block_t + t) * (NG + 1) + r] = T.if_then_else(r < NG, mix_s[t, T.min(r, NG - 1)], sumsq_s[t])
                 T.call_extern("handle", "mhc_fence")
                 T.sync_threads()
                 if T.get_thread_binding() == 0:
