@@ -25,19 +25,35 @@ import torch  # noqa: E402
 MARGIN = 0.5  # a top-1 lead (in logits) below this is a near-tie: bf16 rounding may flip the argmax
 
 
-def tiny_llama(layers: int = 4, attn_implementation: str = "sdpa", seed: int = 0):
-    """A random-weight Llama-style model: 8 query heads over 2 kv heads of 128 dims, bf16, on the GPU. The
-    initializer's spread gives logits of order 1-10, so most greedy steps have a clear winner."""
+def tiny_llama(layers: int = 4, seed: int = 0, tensor_parallel: bool = False):
+    """A random-weight Llama-style model: 8 query heads over 2 kv heads of 128 dims, bf16, on the GPU (or, with
+    ``tensor_parallel``, sharded over this torchrun job's GPUs by HF's tensor-parallel plan). The initializer's
+    spread gives logits of order 1-10, so most greedy steps have a clear winner.
+
+    Built once in fp32, saved, and loaded by ``from_pretrained`` as a real checkpoint is, on one GPU as under
+    tensor parallelism: casting the built model with ``.to(bfloat16)`` would also round RoPE's inverse frequencies
+    (a buffer outside the checkpoint, which loading keeps in fp32) to bf16, a different model (logits up to ~10
+    apart at 2000 tokens)."""
+    import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=128, vocab_size=4096, max_position_embeddings=8192,
-                      initializer_range=0.1, attn_implementation=attn_implementation, eos_token_id=None,
-                      bos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    path = f"/tmp/llm_tile_ops_tiny_llama_{layers}_{seed}"
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(hidden_size=1024, intermediate_size=2048, num_hidden_layers=layers, num_attention_heads=8,
+                          num_key_value_heads=2, head_dim=128, vocab_size=4096, max_position_embeddings=8192,
+                          initializer_range=0.1, attn_implementation="sdpa", eos_token_id=None, bos_token_id=None,
+                          pad_token_id=None)
+        LlamaForCausalLM(cfg).save_pretrained(path)
+    if distributed:
+        dist.barrier()
+    if tensor_parallel:
+        model = LlamaForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.bfloat16)
+    else:
+        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
     model.generation_config.eos_token_id = None
-    return model
+    return model.eval()
 
 
 def ragged_prompts(requests: int, max_prompt: int, vocab: int, seed: int = 1) -> list[list[int]]:
@@ -121,21 +137,6 @@ def compare(model, prompts, ours: dict, ref: dict) -> tuple[dict, dict]:
                 ok=complete and chosen_ok == clear and max(ours_errs) <= bound and tokens_ok == tokens_cmp), margins
 
 
-def _tensor_parallel_model(layers: int):
-    """The same random model, sharded over this torchrun job's GPUs by HF's tensor-parallel plan (rank 0 writes it
-    once; every rank loads its shard)."""
-    import torch.distributed as dist
-    from transformers import LlamaForCausalLM
-
-    path = "/tmp/llm_tile_ops_tiny_llama"
-    if dist.get_rank() == 0:
-        tiny_llama(layers).save_pretrained(path)
-    dist.barrier()
-    model = LlamaForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.bfloat16).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
 def tensor_parallel_noise(model, prompts, saved: dict) -> float:
     """The largest logit difference between this (sharded) model and the one-GPU run's on identical inputs: the
     one-GPU run's tokens, teacher-forced (its logits saved beside its tokens). Sharded matmuls sum in another order,
@@ -181,7 +182,7 @@ def main():
 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl")
-        model = _tensor_parallel_model(args.layers)
+        model = tiny_llama(args.layers, tensor_parallel=True)
     else:
         model = tiny_llama(args.layers)
     prompts = ragged_prompts(args.requests, args.max_prompt, model.config.vocab_size)
