@@ -15,10 +15,16 @@ def demo_cases(device):
     return []  # golden.hsa_decode.hsa_extend is a decode per new token: hsa_decode's demo cases cover it
 
 
-def _batch(histories, new):
+def _batch(histories, new, correlated=False):
+    """A bench batch; with ``correlated``, each request's queries share a component (one random vector per request
+    plus 0.3x independent noise), as neighbouring tokens' queries do in a model, so their selections overlap (a
+    64-token tile's pages: ~200 instead of ~1000 at (a), docs/design/hsa.md)."""
     batch = paged_batch([h + n for h, n in zip(histories, new)])
     cum = torch.tensor([0] + list(new)).cumsum(0).to(torch.int32).cuda()
-    batch["q"] = torch.randn(int(cum[-1]), H, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(int(cum[-1]), H, D, device="cuda")
+    if correlated:
+        q = 0.3 * q + torch.randn(len(new), H, D, device="cuda").repeat_interleave(torch.tensor(new, device="cuda"), 0)
+    batch["q"] = q.to(torch.bfloat16)
     batch["cum_seq_lens_q"] = cum
     return batch
 
@@ -37,16 +43,18 @@ def _work(histories, new):
 
 def bench(b):
     gen = torch.Generator().manual_seed(2)
-    rows = [("(a) 8 x 2048 new on 65536", [65536] * 8, [2048] * 8, 3),
-            ("(b) 4 x 4096 new on 524288", [524288] * 4, [4096] * 4, 20),
+    # (workload, histories, new tokens, target speedup or None, correlated queries)
+    rows = [("(a) 8 x 2048 new on 65536", [65536] * 8, [2048] * 8, 3, False),
+            ("(b) 4 x 4096 new on 524288", [524288] * 4, [4096] * 4, 20, False),
             ("(c) 16 ragged, new 1..4096, history 0..131072", torch.randint(0, 131073, (16,), generator=gen).tolist(),
-             torch.randint(1, 4097, (16,), generator=gen).tolist(), None)]
+             torch.randint(1, 4097, (16,), generator=gen).tolist(), None, False),
+            ("(a) with correlated queries per request", [65536] * 8, [2048] * 8, None, True)]
     if b.quick:
-        rows = [("(a) quick: 2 x 512 new on 8192", [8192] * 2, [512] * 2, None)]
+        rows = [("(a) quick: 2 x 512 new on 8192", [8192] * 2, [512] * 2, None, False)]
     op = HSAExtendTileLang(**SPEC)
     dense = PagedAttentionPrefillTileLang(H, HKV, D, PS, torch.bfloat16, kv_layout="NHD")
-    for workload, histories, new, speedup in rows:
-        batch = _batch(histories, new)
+    for workload, histories, new, speedup, correlated in rows:
+        batch = _batch(histories, new, correlated)
         total_q = batch["q"].shape[0]
         plan = op.plan(batch["page_table"], batch["seq_lens"], batch["cum_seq_lens_q"], total_q,
                        batch["chunk_repr"].shape[0])
