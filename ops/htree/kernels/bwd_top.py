@@ -24,6 +24,34 @@ def _rows(G: int, block_m: int):
     return block_m // G
 
 
+def _query_rows(G: int, block_m: int, head_dim: int, v_head_dim: int, q_scale: float, put):
+    """The macro loading a block of query rows from query t0 on (row m: query t0 + m // G, head h * G + m % G; rows
+    past the block's bt queries or past t_end are zeros): q scaled by q_scale and rotated at t >> top_shift, dO,
+    and the rows' lse (log2 domain) and D."""
+    bt, half = _rows(G, block_m), head_dim // 2
+
+    @T.macro
+    def load(Q, dO, Lse, Dl, Cos, Sin, b, h, t0, t_end, top_shift, q_s, q_lo, do_s, do_lo, lse2, dl):
+        for m, i in T.Parallel(block_m, half):
+            tq = T.min(t0 + m // G, t_end - 1)
+            ok = T.And(m < bt * G, t0 + m // G < t_end)
+            x = T.if_then_else(ok, T.cast(Q[b, tq, h * G + m % G, i], "float32"), 0.0)
+            y = T.if_then_else(ok, T.cast(Q[b, tq, h * G + m % G, i + half], "float32"), 0.0)
+            lo, hi = rotate(x, y, Cos[tq >> top_shift, i], Sin[tq >> top_shift, i])
+            put(q_scale * lo, q_s, q_lo, m, i)
+            put(q_scale * hi, q_s, q_lo, m, i + half)
+        for m, d in T.Parallel(block_m, v_head_dim):
+            tq = T.min(t0 + m // G, t_end - 1)
+            ok = T.And(m < bt * G, t0 + m // G < t_end)
+            put(T.if_then_else(ok, T.cast(dO[b, tq, h * G + m % G, d], "float32"), 0.0), do_s, do_lo, m, d)
+        for m in T.Parallel(block_m):
+            tq = T.min(t0 + m // G, t_end - 1)
+            lse2[m] = Lse[b, tq, h * G + m % G] * LOG2E
+            dl[m] = Dl[b, tq, h * G + m % G]
+
+    return load
+
+
 def htree_bwd_top_dq_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, scale: float,
                             dtype: str, block_m: int = 64, block_n: int = 64, threads: int = 128):
     """DQ[b, t - t_start, h] (fp32): the top layer's part of dq for the slab's queries, rotated back and scaled."""
@@ -33,6 +61,7 @@ def htree_bwd_top_dq_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
     half = K // 2
     q_scale = scale * LOG2E
     alloc, put, product, product_nn = tiles(dtype)
+    load_rows = _query_rows(G, block_m, K, V, q_scale, put)
     B, Tn, NT, NV, NC = T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NV"), T.dynamic("NC")
     TS, FB, FT, FN = T.dynamic("TS"), T.dynamic("FB"), T.dynamic("FT"), T.dynamic("FN")
 
@@ -58,23 +87,7 @@ def htree_bwd_top_dq_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
             t0 = t_start + bx * bt
             t_end = t_start + TS
 
-            # the block's rows: q scaled and rotated at t >> top_shift, dO, lse (log2 domain), D
-            for m, i in T.Parallel(block_m, half):
-                tq = T.min(t0 + m // G, t_end - 1)
-                ok = T.And(m < bt * G, t0 + m // G < t_end)
-                x = T.if_then_else(ok, T.cast(Q[b, tq, h * G + m % G, i], "float32"), 0.0)
-                y = T.if_then_else(ok, T.cast(Q[b, tq, h * G + m % G, i + half], "float32"), 0.0)
-                lo, hi = rotate(x, y, Cos[tq >> top_shift, i], Sin[tq >> top_shift, i])
-                put(q_scale * lo, q_s, q_lo, m, i)
-                put(q_scale * hi, q_s, q_lo, m, i + half)
-            for m, d in T.Parallel(block_m, V):
-                tq = T.min(t0 + m // G, t_end - 1)
-                ok = T.And(m < bt * G, t0 + m // G < t_end)
-                put(T.if_then_else(ok, T.cast(dO[b, tq, h * G + m % G, d], "float32"), 0.0), do_s, do_lo, m, d)
-            for m in T.Parallel(block_m):
-                tq = T.min(t0 + m // G, t_end - 1)
-                lse2[m] = Lse[b, tq, h * G + m % G] * LOG2E
-                dl[m] = Dl[b, tq, h * G + m % G]
+            load_rows(Q, dO, Lse, Dl, Cos, Sin, b, h, t0, t_end, top_shift, q_s, q_lo, do_s, do_lo, lse2, dl)
             T.clear(acc_dq)
             n_max = ((T.min(t0 + bt, t_end) - 1) >> top_shift) + 1  # the block's last query sees the most nodes
             for c in T.serial(T.ceildiv(n_max, block_n)):
@@ -116,6 +129,7 @@ def htree_bwd_top_dkv_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v
     half = K // 2
     q_scale = scale * LOG2E
     alloc, put, product, product_nn = tiles(dtype, T.GemmWarpPolicy.FullCol)
+    load_rows = _query_rows(G, block_m, K, V, q_scale, put)
     B, Tn, NT, NV, NC, NA = (T.dynamic("B"), T.dynamic("T"), T.dynamic("NT"), T.dynamic("NV"), T.dynamic("NC"),
                              T.dynamic("NA"))
     FB, FT, FN = T.dynamic("FB"), T.dynamic("FT"), T.dynamic("FN")
@@ -156,22 +170,7 @@ def htree_bwd_top_dkv_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v
             T.clear(acc_dv)
             for qb in T.serial(T.ceildiv(T.max(t_end - first, 0), bt)):
                 tq0 = first + qb * bt
-                for m, i in T.Parallel(block_m, half):
-                    tq = T.min(tq0 + m // G, t_end - 1)
-                    ok = T.And(m < bt * G, tq0 + m // G < t_end)
-                    x = T.if_then_else(ok, T.cast(Q[b, tq, h * G + m % G, i], "float32"), 0.0)
-                    y = T.if_then_else(ok, T.cast(Q[b, tq, h * G + m % G, i + half], "float32"), 0.0)
-                    lo, hi = rotate(x, y, Cos[tq >> top_shift, i], Sin[tq >> top_shift, i])
-                    put(q_scale * lo, q_s, q_lo, m, i)
-                    put(q_scale * hi, q_s, q_lo, m, i + half)
-                for m, d in T.Parallel(block_m, V):
-                    tq = T.min(tq0 + m // G, t_end - 1)
-                    ok = T.And(m < bt * G, tq0 + m // G < t_end)
-                    put(T.if_then_else(ok, T.cast(dO[b, tq, h * G + m % G, d], "float32"), 0.0), do_s, do_lo, m, d)
-                for m in T.Parallel(block_m):
-                    tq = T.min(tq0 + m // G, t_end - 1)
-                    lse_s[m] = Lse[b, tq, h * G + m % G] * LOG2E
-                    dl_s[m] = Dl[b, tq, h * G + m % G]
+                load_rows(Q, dO, Lse, Dl, Cos, Sin, b, h, tq0, t_end, top_shift, q_s, q_lo, do_s, do_lo, lse_s, dl_s)
                 T.clear(acc_s)
                 T.clear(acc_dp)
                 product(k_s, k_lo, q_s, q_lo, acc_s)
