@@ -29,6 +29,20 @@ def test_block_tables_from_positions():
             assert tables[b, j].item() == (blk[j] if j * bs < n else 0)
 
 
+def test_tensor_parallel_token_rule():
+    """hf_generate.same_tokens: a step is compared while the prefixes agree and the one-GPU margin is at least
+    MARGIN + twice that step's measured logit difference between the two models; a request stops at its first step
+    below that and at its first difference."""
+    from scripts.hf_generate import MARGIN, same_tokens
+
+    saved = {0: ([1, 2, 3], [MARGIN + 0.3, MARGIN + 1.0, 9.0], None),  # step 1 below MARGIN + 2 * 0.6
+             1: ([4, 5, 6], [9.0, 9.0, 9.0], None),  # differs at step 1: step 2 is not compared
+             2: ([7, 8], [MARGIN - 0.1, 9.0], None)}  # a near-tie first: nothing compared
+    noise = {0: [0.1, 0.6, 0.0], 1: [0.0, 0.0, 0.0], 2: [0.0, 0.0]}
+    sharded = {0: ([1, 9, 9], None), 1: ([4, 0, 6], None), 2: ([0, 8], None)}
+    assert same_tokens(sharded, saved, noise) == (3, 2)
+
+
 class _GoldenOp:
     """The ops as the adapter calls them, computed by the golden (what the adapter hands the kernels, checked on the
     CPU): plan(tables, seq_lens[, cum_seq_lens_q], validate=False[, total_q]) then run(q, k_cache, v_cache, plan[,
