@@ -173,25 +173,29 @@ class MHCForwardPreTileLang(Op):
                 torch.empty(tokens, n * n, **f32), torch.empty(tokens, **f32), torch.empty(tokens, n, **f32),
                 torch.empty(tokens, n * n + 2 * n, **f32))
 
-    def _split_workspace(self, tokens: int, device, block_t: int, splits: int):
-        """A mix kernel's partials (flat [tiles, splits, block_t, NG + 1]) and per-tile counts with `splits` > 1,
-        else one-element stand-ins it never touches."""
-        if splits == 1:
+    def _split_workspace(self, tokens: int, device, configs: list[dict]):
+        """A mix kernel's partials (flat [tiles, splits, block_t, NG + 1]) and per-tile counts, large enough for
+        each of `configs` (the autotuner runs them all on one set of arguments); one-element stand-ins, which no
+        kernel touches, when none of them splits."""
+        split = [c for c in configs if c["splits"] > 1]
+        if not split:
             if device not in self._no_splits:
                 self._no_splits[device] = (torch.empty(1, device=device),
                                            torch.zeros(1, device=device, dtype=torch.int32))
             return self._no_splits[device]
-        tiles = -(-tokens // block_t)
-        return (torch.empty(tiles * splits * block_t * (phi_split_rows(self.n) + 1), device=device),
-                torch.zeros(tiles, device=device, dtype=torch.int32))
+        tiles = [-(-tokens // c["block_t"]) for c in split]
+        part = max(t * c["splits"] * c["block_t"] for t, c in zip(tiles, split))
+        return (torch.empty(part * (phi_split_rows(self.n) + 1), device=device),
+                torch.zeros(max(tiles), device=device, dtype=torch.int32))
 
-    def _kernel_args(self, x, phi, alpha, bias, outs):
+    def _kernel_args(self, x, phi, alpha, bias, outs, configs=None):
         """Arguments of the tunable kernel: the fused kernel takes all outputs and the cluster count, the mix
-        kernel all outputs with h_in last (it writes h_in only as the side kernel), then its split workspace."""
+        kernel all outputs with h_in last (it writes h_in only as the side kernel), then its split workspace
+        (for `configs`, default the op's own)."""
         head = (x.view(outs[0].shape[0], *x.shape[-2:]), *self._split_phi(phi), alpha, bias)
         if self._fused is None:
-            return head + outs[1:] + outs[:1] + self._split_workspace(
-                outs[0].shape[0], x.device, self.config["block_t"], self.config["splits"])
+            return head + outs[1:] + outs[:1] + self._split_workspace(outs[0].shape[0], x.device,
+                                                                      configs or [self.config])
         # One CTA per SM whatever its shared memory: 256 threads of up to 240 registers fill the file. As many
         # clusters as the GPU holds, within the SM budget.
         clusters = min(max_active_clusters(_CLUSTER, 256, SMEM_BUDGET, x.device.index), self.num_sms // _CLUSTER)
@@ -207,20 +211,13 @@ class MHCForwardPreTileLang(Op):
         self._fused(x2[:m], hi, lo, alpha, bias, *(o[:m] for o in outs), clusters)
         if side:  # the mix kernel's order: h_in last
             self._side(x2[m:], hi, lo, alpha, bias, *(o[m:] for o in outs[1:]), outs[0][m:],
-                       *self._split_workspace(side, x2.device, _SIDE_CONFIG["block_t"], 1))
+                       *self._split_workspace(side, x2.device, [_SIDE_CONFIG]))
 
     def tune_args(self, x, phi, alpha, bias):
         """Arguments of the tunable kernel (``tunable_kernel``) for these inputs, with a split workspace large
         enough for every config of the space (the tuner runs them all on these arguments)."""
         self.check_inputs(x, phi, alpha, bias)
-        outs = self._outputs(x)
-        args = self._kernel_args(x, phi, alpha, bias, outs)
-        if self._fused is not None:
-            return args
-        tiles = {c["block_t"]: -(-outs[0].shape[0] // c["block_t"]) for c in self.config_space(self.spec)}
-        part = max(tiles[c["block_t"]] * c["splits"] * c["block_t"] for c in self.config_space(self.spec))
-        return args[:-2] + (torch.empty(part * (phi_split_rows(self.n) + 1), device=x.device),
-                            torch.zeros(max(tiles.values()), device=x.device, dtype=torch.int32))
+        return self._kernel_args(x, phi, alpha, bias, self._outputs(x), self.config_space(self.spec))
 
     def __call__(self, x, phi, alpha, bias, return_aux: bool = False):
         self.check_inputs(x, phi, alpha, bias)
