@@ -15,6 +15,7 @@ from ops.paged_decode import paged_attention_decode as paged_attention_decode_op
 from ops.paged_decode import schedule
 from ops.paged_decode.custom_ops import _spec as custom_op_spec
 from ops.paged_decode.kernels import paged_decode_split_kernel
+from test_paged_prefill import paged_cache  # tests/ is on sys.path under pytest
 
 FP8 = torch.float8_e4m3fn
 
@@ -22,37 +23,17 @@ FP8 = torch.float8_e4m3fn
 # ----------------------------------------------------------------------------- inputs
 def make_decode_batch(seq_lens, num_q_tokens, num_heads, num_kv_heads, head_dim, page_size, dtype, device="cpu",
                       kv_layout="HND", use_alibi=False, kv_dtype=None, spare_pages=3, poison=True, seed=0):
-    """Random decode batch over a shuffled paged cache (stored in ``kv_dtype``, default q's dtype). With
-    ``poison``, cache slots past each sequence's end and the spare pages hold NaN and table entries past
-    the needed pages hold -1, so any read of them shows up in the output."""
+    """Random decode batch over a shuffled paged cache (``paged_cache``; stored in ``kv_dtype``, default q's
+    dtype), from the generator of ``seed``."""
     gen = torch.Generator().manual_seed(seed)
-    kv_dtype = dtype if kv_dtype is None else kv_dtype
-    needed = [-(-n // page_size) for n in seq_lens]
-    num_pages = sum(needed) + spare_pages
-    perm = torch.randperm(num_pages, generator=gen).tolist()
-    tables = torch.full((len(seq_lens), max(needed) + 2), -1, dtype=torch.int32)
-    shape = ((num_pages, num_kv_heads, page_size, head_dim) if kv_layout == "HND"
-             else (num_pages, page_size, num_kv_heads, head_dim))
-    caches = [torch.full(shape, float("nan") if poison else 0.0) for _ in range(2)]
-    nxt = 0
-    for s, (n, nb) in enumerate(zip(seq_lens, needed)):
-        for j in range(nb):
-            page = perm[nxt]
-            nxt += 1
-            tables[s, j] = page
-            valid = min(page_size, n - j * page_size)
-            for cache in caches:
-                rows = torch.randn(num_kv_heads, valid, head_dim, generator=gen)
-                if kv_layout == "HND":
-                    cache[page, :, :valid] = rows
-                else:
-                    cache[page, :valid] = rows.transpose(0, 1)
+    k_cache, v_cache, tables = paged_cache(seq_lens, num_kv_heads, head_dim, page_size,
+                                           dtype if kv_dtype is None else kv_dtype, kv_layout, spare_pages,
+                                           poison=poison, generator=gen)
     q = torch.randn(len(seq_lens) * num_q_tokens, num_heads, head_dim, generator=gen).to(dtype)
     alibi = torch.rand(num_heads, generator=gen) * 0.5 if use_alibi else None
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return dict(q=to(q), k_cache=to(caches[0].to(kv_dtype)), v_cache=to(caches[1].to(kv_dtype)),
-                block_tables=to(tables), seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)),
-                alibi_slopes=to(alibi))
+    return dict(q=to(q), k_cache=to(k_cache), v_cache=to(v_cache), block_tables=to(tables),
+                seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)), alibi_slopes=to(alibi))
 
 
 def reference_float64(q, k_cache, v_cache, block_tables, seq_lens, num_q_tokens=1, alibi_slopes=None, scale=None,

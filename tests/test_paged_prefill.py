@@ -21,39 +21,44 @@ from ops.paged_prefill.tiling import warp_specialized
 
 
 # ----------------------------------------------------------------------------- inputs
+def paged_cache(seq_lens, num_kv_heads, head_dim, page_size, kv_dtype, kv_layout="HND", spare_pages=3,
+                table_dtype=torch.int32, poison=True, generator=None):
+    """(k_cache, v_cache, block_tables): each sequence's positions on shuffled pages of a cache stored in
+    ``kv_dtype``, its table [num_seqs, most pages + 2]. With ``poison``, slots past each sequence's end and the spare
+    pages hold NaN and table entries past the needed pages hold -1, so any read of them shows up in the output."""
+    needed = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(needed) + spare_pages
+    perm = torch.randperm(num_pages, generator=generator).tolist()
+    tables = torch.full((len(seq_lens), max(needed + [1]) + 2), -1, dtype=table_dtype)
+    shape = ((num_pages, num_kv_heads, page_size, head_dim) if kv_layout == "HND"
+             else (num_pages, page_size, num_kv_heads, head_dim))
+    caches = [torch.full(shape, float("nan")) if poison else torch.randn(shape, generator=generator)
+              for _ in range(2)]
+    nxt = 0
+    for s, (n, nb) in enumerate(zip(seq_lens, needed)):
+        for j in range(nb):
+            page = perm[nxt]
+            nxt += 1
+            tables[s, j] = page
+            valid = min(page_size, n - j * page_size)
+            for cache in caches:
+                rows = torch.randn(num_kv_heads, valid, head_dim, generator=generator)
+                if kv_layout == "HND":
+                    cache[page, :, :valid] = rows
+                else:
+                    cache[page, :valid] = rows.transpose(0, 1)
+    return caches[0].to(kv_dtype), caches[1].to(kv_dtype), tables
+
+
 def make_batch(q_lens, histories, num_heads, num_kv_heads, head_dim, page_size, dtype, device="cpu",
                kv_layout="HND", use_alibi=False, spare_blocks=3, table_dtype=torch.int32, poison=True,
                kv_dtype=None):
-    """Random ragged batch over a shuffled paged cache (stored in ``kv_dtype``, default q's dtype). With
-    ``poison``, cache slots past each sequence's end and the unused blocks hold NaN and table entries
-    past the needed blocks hold -1, so any read of them shows up in the output."""
-    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    """Random ragged batch over a shuffled paged cache (``paged_cache``; stored in ``kv_dtype``, default q's
+    dtype)."""
     seq_lens = [q + h for q, h in zip(q_lens, histories)]
-    needed = [-(-n // page_size) for n in seq_lens]
-    num_blocks = sum(needed) + spare_blocks
-    perm = torch.randperm(num_blocks).tolist()
-    max_blocks = max(needed + [1]) + 2
-    tables = torch.full((len(q_lens), max_blocks), -1, dtype=table_dtype)
-    shape = ((num_blocks, num_kv_heads, page_size, head_dim) if kv_layout == "HND"
-             else (num_blocks, page_size, num_kv_heads, head_dim))
-    k_cache = torch.randn(shape, dtype=torch.float32).to(kv_dtype)
-    v_cache = torch.randn(shape, dtype=torch.float32).to(kv_dtype)
-    if poison:
-        k_cache.fill_(float("nan"))
-        v_cache.fill_(float("nan"))
-    nxt = 0
-    for s, (n, nb) in enumerate(zip(seq_lens, needed)):
-        for b in range(nb):
-            blk = perm[nxt]
-            nxt += 1
-            tables[s, b] = blk
-            valid = min(page_size, n - b * page_size)
-            for cache in (k_cache, v_cache):
-                rows = torch.randn(num_kv_heads, valid, head_dim).to(kv_dtype)
-                if kv_layout == "HND":
-                    cache[blk, :, :valid] = rows
-                else:
-                    cache[blk, :valid] = rows.transpose(0, 1)
+    k_cache, v_cache, tables = paged_cache(seq_lens, num_kv_heads, head_dim, page_size,
+                                           dtype if kv_dtype is None else kv_dtype, kv_layout, spare_blocks,
+                                           table_dtype, poison)
     cum = torch.tensor([0] + q_lens).cumsum(0)
     q = torch.randn(int(cum[-1]), num_heads, head_dim).to(dtype)
     alibi = torch.rand(num_heads) * 0.5 if use_alibi else None
