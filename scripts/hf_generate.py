@@ -83,9 +83,9 @@ def generate(model, prompts, new_tokens: int, attn_implementation: str, block_si
 
 
 @torch.no_grad()
-def teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """The reference model's log-probabilities [len(tokens), vocab] (fp32) at each generated step, given the prompt
-    and the tokens before it (one plain forward, HF's non-paged sdpa)."""
+def teacher_forced(model, prompt: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference model's (log-probabilities, logits) [len(tokens), vocab] (fp32) at each generated step, given
+    the prompt and the tokens before it (one plain forward, HF's non-paged sdpa)."""
     model.set_attn_implementation("sdpa")
     ids = torch.tensor([prompt + tokens[:-1]], device="cuda")
     logits = model(ids).logits[0, len(prompt) - 1:].float()
