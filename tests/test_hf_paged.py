@@ -30,17 +30,21 @@ def test_block_tables_from_positions():
 
 
 def test_tensor_parallel_token_rule():
-    """hf_generate.same_tokens: a step is compared while the prefixes agree and the one-GPU margin is at least
-    MARGIN + twice that step's measured logit difference between the two models; a request stops at its first step
-    below that and at its first difference."""
+    """hf_generate.same_tokens: each request is followed while the prefixes agree; a step is compared where the
+    sharded model's own margin is at least MARGIN and its argmax is the one-GPU token, a near-tie is skipped, and a
+    request stops at its first difference or where the sharded model prefers another token (counted)."""
     from scripts.hf_generate import MARGIN, same_tokens
 
-    saved = {0: ([1, 2, 3], [MARGIN + 0.3, MARGIN + 1.0, 9.0], None),  # step 1 below MARGIN + 2 * 0.6
-             1: ([4, 5, 6], [9.0, 9.0, 9.0], None),  # differs at step 1: step 2 is not compared
-             2: ([7, 8], [MARGIN - 0.1, 9.0], None)}  # a near-tie first: nothing compared
-    noise = {0: [0.1, 0.6, 0.0], 1: [0.0, 0.0, 0.0], 2: [0.0, 0.0]}
-    sharded = {0: ([1, 9, 9], None), 1: ([4, 0, 6], None), 2: ([0, 8], None)}
-    assert same_tokens(sharded, saved, noise) == (3, 2)
+    saved = {0: ([1, 2, 3], None), 1: ([4, 5, 6], None), 2: ([7, 8], None), 3: ([1, 2, 3], None),
+             4: ([1, 2, 3], None)}
+    sharded = {0: ([1, 2, 3], [9.0, MARGIN - 0.1, 9.0], None),  # a near-tie at step 1, skipped: step 2 counts
+               1: ([4, 5, 6], [9.0, 9.0, 9.0], None),  # the engine differs at step 1: step 2 is not compared
+               2: ([0, 8], [9.0, 9.0], None),  # the sharded model prefers another token at step 0
+               3: ([1, 2, 3], [9.0, 9.0, 9.0], None),
+               4: ([1, 2, 3], [9.0, MARGIN - 0.1, 9.0], None)}  # the engine took the other side of a near-tie
+    engine = {0: ([1, 2, 9], None), 1: ([4, 0, 6], None), 2: ([0, 8], None), 3: ([1, 2, 3], None),
+              4: ([1, 7, 3], None)}
+    assert same_tokens(engine, saved, sharded) == (8, 6, 1)
 
 
 class _GoldenOp:
