@@ -35,11 +35,13 @@ def _batch(seq_lens=(70, 16, 40, 5), q_lens=(20, 0, 40, 1)):
     return case
 
 
-class _GoldenDecode:
-    """HSADecodeTileLang's select and call as extend's run uses them, computed by the golden."""
+def _golden_select(q, chunk_repr, plan, repr_valid=None):
+    """HSAExtendTileLang.select (the tiles' score GEMM, then the decode's top-k) computed by the golden."""
+    return select_pages(q, plan.page_table, plan.seq_lens, chunk_repr, 16, 8, "group", 0, repr_valid)[0]
 
-    def select(self, q, page_table, seq_lens, chunk_repr, repr_valid=None, validate=True):
-        return select_pages(q, page_table, seq_lens, chunk_repr, 16, 8, "group", 0, repr_valid)
+
+class _GoldenDecode:
+    """HSADecodeTileLang's call as extend's run uses it, computed by the golden."""
 
     def __call__(self, q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid=None,
                  selected_page_ids=None, out=None, validate=True):
@@ -58,9 +60,26 @@ def test_plan_rows_are_the_goldens(op):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("q_lens", [(20, 0, 40, 1), (0, 0, 0, 0), (16, 17, 1, 33)])
+def test_tiles_cover_every_token_once(op, q_lens):
+    """The score tiles: every new token in exactly one tile of its request, tiles of tile_tokens consecutive tokens
+    (fewer at a request's end) in request order, spare tiles (request -1) last, the count the host bound."""
+    cum = torch.tensor((0,) + q_lens).cumsum(0).to(torch.int32)
+    tile_req, tile_row0 = op.tiles(cum, int(cum[-1]))
+    tokens, want = op.tile_tokens, []
+    for b, n in enumerate(q_lens):
+        want += [(b, int(cum[b]) + i) for i in range(0, n, tokens)]
+    got = list(zip(tile_req.tolist(), tile_row0.tolist()))
+    assert got[:len(want)] == want and all(r == -1 for r, _ in got[len(want):])
+    assert len(got) == (int(cum[-1]) + len(q_lens) * (tokens - 1)) // tokens
+    assert tile_req.dtype == tile_row0.dtype == torch.int32
+
+
+@pytest.mark.compile
 def test_run_is_the_golden_extend(op, monkeypatch):
     b = _batch()
     monkeypatch.setattr(op, "decode", _GoldenDecode())
+    monkeypatch.setattr(op, "select", _golden_select)
     o, ids = op(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], b["cum_seq_lens_q"],
                 b["chunk_repr"], b["repr_valid"], return_selection=True, validate=False)
     o_ref, ids_ref, _ = hsa_extend(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"],

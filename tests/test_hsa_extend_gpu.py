@@ -1,7 +1,7 @@
 """HSA extend on the GPU: compiled vs golden.hsa_decode.hsa_extend on ragged chunks over paged histories (outputs
 poisoned with NaN), both strategies and combines, windows of 0, less than a page and several pages, stale reprs,
 top-k above the candidates, histories of 0 and less than a page, q_len = 1 against the decode op, and CUDA-graph
-capture of plan + run with validation off."""
+capture of plan + run with validation off. Selections are compared up to near-ties (assert_selection_up_to_ties)."""
 
 import pytest
 import torch
@@ -83,29 +83,39 @@ def assert_selection_up_to_ties(name, b, ids, ids_ref, scores_ref):
             torch.testing.assert_close(got, scores_ref[r, h].cpu(), atol=SCORE_TOL, rtol=0)
 
 
+def check_against_golden(name, b, o, ids):
+    """The op's selection against the golden's up to near-ties, then its output against the golden run on that
+    selection (like with like where near-ties swapped pages)."""
+    _, ids_ref, scores_ref = golden_of(name, b)
+    assert_selection_up_to_ties(name, b, ids, ids_ref, scores_ref)
+    o_ref, _, _ = golden_of(name, b, selected_page_ids=ids)
+    torch.testing.assert_close(o.float(), o_ref.float(), **TOL[SPECS[name]["dtype"]])
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 def test_extend_matches_golden(name, poisoned):
     op, b = get_op(name), make_batch(name, seed=1)
     with poisoned():
         o, ids = op(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], b["cum_seq_lens_q"],
                     b["chunk_repr"], b["repr_valid"], return_selection=True)
-    _, ids_ref, scores_ref = golden_of(name, b)
-    assert_selection_up_to_ties(name, b, ids, ids_ref, scores_ref)
-    o_ref, _, _ = golden_of(name, b, selected_page_ids=ids)  # like with like where near-ties swapped pages
-    torch.testing.assert_close(o.float(), o_ref.float(), **TOL[SPECS[name]["dtype"]])
+    check_against_golden(name, b, o, ids)
 
 
 def test_one_new_token_is_decode():
-    """q_len = 1 for every request: bitwise the decode op's output on the same batch."""
+    """q_len = 1 for every request: the golden decode's selection (up to near-ties: the extend scores by a GEMM,
+    the decode by its own kernel), and bitwise the decode op's output on that selection."""
     name = "head_token"
     torch.manual_seed(2)
     s = SPECS[name]
     case = random_case([1, 40, 700, 2000], s["num_heads"], s["num_kv_heads"], s["head_dim"], s["page_size"],
                        dtype=s["dtype"], device="cuda", invalid_frac=0.1)
     cum = torch.arange(5, dtype=torch.int32, device="cuda")
-    o = get_op(name)(case["q"], case["k_buffer"], case["v_buffer"], case["page_table"], case["seq_lens"], cum,
-                     case["chunk_repr"], case["repr_valid"])
-    assert torch.equal(o, HSADecodeTileLang(**s)(**case))
+    o, ids = get_op(name)(case["q"], case["k_buffer"], case["v_buffer"], case["page_table"], case["seq_lens"], cum,
+                          case["chunk_repr"], case["repr_valid"], return_selection=True)
+    assert torch.equal(o, HSADecodeTileLang(**s)(**case, selected_page_ids=ids))
+    b = dict(case, cum_seq_lens_q=cum)
+    _, ids_ref, scores_ref = golden_of(name, b)
+    assert_selection_up_to_ties(name, b, ids, ids_ref, scores_ref)
 
 
 def test_cuda_graph_capture_with_validation_off():
@@ -123,3 +133,21 @@ def test_cuda_graph_capture_with_validation_off():
     torch.cuda.synchronize()
     o_ref, _, _ = golden_of(name, b)
     torch.testing.assert_close(out.float(), o_ref.float(), **TOL[SPECS[name]["dtype"]])
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_extend_memcheck_shapes(name):
+    """Small ragged batches for ``PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python -m pytest
+    -m gpu tests/test_hsa_extend_gpu.py -k memcheck``: the last tile of a request short of tokens, a request of no new
+    token, histories below and across the window, every kernel of select and decode."""
+    torch.manual_seed(4)
+    s = SPECS[name]
+    hist_new = [(0, 3), (70, 0), (700, 19), (90, 1)]
+    case = random_case([h + n for h, n in hist_new], s["num_heads"], s["num_kv_heads"], s["head_dim"], s["page_size"],
+                       dtype=s["dtype"], device="cuda", invalid_frac=0.2)
+    cum = torch.tensor([0] + [n for _, n in hist_new]).cumsum(0).to(torch.int32).cuda()
+    case["q"] = torch.randn(int(cum[-1]), s["num_heads"], s["head_dim"], device="cuda").to(s["dtype"])
+    b = dict(case, cum_seq_lens_q=cum)
+    o, ids = get_op(name)(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], cum, b["chunk_repr"],
+                          b["repr_valid"], return_selection=True)
+    check_against_golden(name, b, o, ids)

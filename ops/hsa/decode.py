@@ -154,7 +154,7 @@ class HSADecodeTileLang(Op):
             check_values(self._value_checks(page_table, seq_lens, chunk_repr.shape[0]))
         return self._select(q, page_table, seq_lens, chunk_repr, repr_valid)
 
-    def _valid(self, repr_valid, num_pages: int, device):
+    def valid_bytes(self, repr_valid, num_pages: int, device):
         """repr_valid as bytes; without one, all pages valid: a buffer kept per device rather than a fill per
         call, except one made during a CUDA graph capture (its fill runs only when the graph does)."""
         if repr_valid is not None:
@@ -166,16 +166,25 @@ class HSADecodeTileLang(Op):
                 self._all_valid[device] = ones
         return ones[:num_pages]
 
-    def _select(self, q, page_table, seq_lens, chunk_repr, repr_valid):
-        B, Hkv, k = q.shape[0], self.spec["num_kv_heads"], self.spec["topk"]
-        valid = self._valid(repr_valid, chunk_repr.shape[0], q.device)
+    def empty_keys(self, rows: int, max_pages: int, device) -> torch.Tensor:
+        """The selection keys [rows, Hkv, max_pages] a score kernel writes and ``top_pages`` reads."""
         # Allocated as int32: torch has few uint32 kernels (fills included).
-        keys = torch.empty(B, Hkv, page_table.shape[1], dtype=torch.int32, device=q.device).view(torch.uint32)
-        ids = torch.empty(B, Hkv, k, dtype=torch.int32, device=q.device)
-        scores = torch.empty(B, Hkv, k, dtype=torch.float32, device=q.device)
-        self.score_kernel(q, page_table, seq_lens, chunk_repr, valid, keys)
+        keys = torch.empty(rows, self.spec["num_kv_heads"], max_pages, dtype=torch.int32, device=device)
+        return keys.view(torch.uint32)
+
+    def top_pages(self, keys, page_table, seq_lens):
+        """(selected_page_ids, selected_scores) of the scored rows: the top-k of each (row, kv head)."""
+        B, Hkv, k = keys.shape[0], self.spec["num_kv_heads"], self.spec["topk"]
+        ids = torch.empty(B, Hkv, k, dtype=torch.int32, device=keys.device)
+        scores = torch.empty(B, Hkv, k, dtype=torch.float32, device=keys.device)
         self.topk_kernel(keys, page_table, seq_lens, ids, scores)
         return ids, scores
+
+    def _select(self, q, page_table, seq_lens, chunk_repr, repr_valid):
+        valid = self.valid_bytes(repr_valid, chunk_repr.shape[0], q.device)
+        keys = self.empty_keys(q.shape[0], page_table.shape[1], q.device)
+        self.score_kernel(q, page_table, seq_lens, chunk_repr, valid, keys)
+        return self.top_pages(keys, page_table, seq_lens)
 
     def _check_decode(self, q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid,
                       selected_page_ids, out, validate):

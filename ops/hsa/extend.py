@@ -2,11 +2,12 @@
 or a chunked prefill on top of each request's cached history), ragged batches packed as in paged prefill. Every new
 token is answered exactly as a decode of its request at its position (``golden.hsa_decode.hsa_extend``).
 
-This version runs HSA decode's kernels with one decode row per new token: ``plan`` turns the batch into rows (each
-new token's request's page-table row and its decode length p + 1, on the device, no host sync) and ``run`` launches
-the decode's score, top-k, split decode and combine kernels over them. It is the decode semantics by construction;
-what it costs beyond a dedicated extend kernel: the page-table rows copied once per token, and each token scoring
-its request's reprs on its own instead of one GEMM of the chunk's queries against them (docs/design/hsa.md).
+``plan`` turns the batch into decode rows (each new token's request's page-table row and its decode length p + 1)
+and query tiles (a few consecutive new tokens of one request), on the device with no host sync. ``run`` scores each
+tile's tokens against its request's candidate reprs in one GEMM per (tile, kv head) (``extend_score``), writing the
+decode's selection keys, then runs the decode's top-k, split decode and combine kernels over the rows: the decode
+semantics by construction. What it still costs beyond a dedicated extend kernel: the page-table rows copied once per
+token, and each token's pages read on its own (docs/design/hsa.md).
 """
 
 from __future__ import annotations
@@ -17,16 +18,23 @@ import torch
 
 from ..common.protocol import Op
 from ..common.validate import check_bool, check_tensor, check_values
+from ..common.runtime import compile_kernel
 from .decode import BENCH_SPEC, HSADecodeTileLang
+from .kernels.extend_score import extend_tile_tokens, hsa_extend_score_kernel
 
 
 @dataclass(frozen=True)
 class ExtendPlan:
-    """An extend batch as decode rows (``HSAExtendTileLang.plan``): per new token its request's page-table row
-    [total_q, max_pages] and its decode length [total_q] (int32)."""
+    """An extend batch (``HSAExtendTileLang.plan``) as decode rows: per new token its request's page-table row
+    [total_q, max_pages] and its decode length [total_q]; and as query tiles for the scores: per tile its request
+    (-1: a spare tile) and first row, with the batch's page table and cum_seq_lens_q (all int32)."""
     page_table: torch.Tensor
     seq_lens: torch.Tensor
     total_q: int
+    request_page_table: torch.Tensor
+    cum_seq_lens_q: torch.Tensor
+    tile_req: torch.Tensor
+    tile_row0: torch.Tensor
 
 
 class HSAExtendTileLang(Op):
@@ -60,6 +68,10 @@ class HSAExtendTileLang(Op):
         self.decode = HSADecodeTileLang(num_heads, num_kv_heads, head_dim, page_size, topk, dtype,
                                         selection_strategy, window_size, combine, scale, config)
         self.dtype, self.spec, self.config = dtype, self.decode.spec, self.decode.config
+        sp = self.spec
+        self.tile_tokens = extend_tile_tokens(num_heads, num_kv_heads)
+        self.score_kernel = compile_kernel(hsa_extend_score_kernel(
+            num_heads, num_kv_heads, head_dim, page_size, sp["dtype"], selection_strategy, window_size, sp["scale"]))
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, cum_seq_lens_q: torch.Tensor, total_q: int,
              num_pages: int | None = None, validate: bool = True) -> ExtendPlan:
@@ -84,7 +96,25 @@ class HSAExtendTileLang(Op):
         rows = torch.arange(total_q, device=dev, dtype=torch.int32)
         req = torch.searchsorted(cum_seq_lens_q[1:], rows, right=True).clamp_(max=max(B - 1, 0))
         pos = seq_lens[req] - q_lens[req] + rows - cum_seq_lens_q[req]
-        return ExtendPlan(page_table[req], (pos + 1).to(torch.int32), total_q)
+        tile_req, tile_row0 = self.tiles(cum_seq_lens_q, total_q)
+        return ExtendPlan(page_table[req], (pos + 1).to(torch.int32), total_q, page_table, cum_seq_lens_q, tile_req,
+                          tile_row0)
+
+    def tiles(self, cum_seq_lens_q: torch.Tensor, total_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query tiles of the scores, on the device: (request or -1, first row) per tile, request by request,
+        ``tile_tokens`` new tokens each (fewer at a request's end). Their count is a bound known on the host (no
+        sync): spare tiles come last, with request -1."""
+        B, tokens = cum_seq_lens_q.shape[0] - 1, self.tile_tokens
+        bound = (total_q + B * (tokens - 1)) // tokens
+        q_lens = (cum_seq_lens_q[1:] - cum_seq_lens_q[:-1]).long()
+        per_req = (q_lens + tokens - 1) // tokens
+        ends = per_req.cumsum(0)
+        t = torch.arange(bound, device=cum_seq_lens_q.device)
+        req = torch.searchsorted(ends, t, right=True)
+        real = req < B
+        req = req.clamp(max=max(B - 1, 0))
+        row0 = cum_seq_lens_q[req].long() + (t - (ends[req] - per_req[req])) * tokens
+        return (torch.where(real, req, -1).to(torch.int32), torch.where(real, row0, 0).to(torch.int32))
 
     def run(self, q, k_buffer, v_buffer, chunk_repr, plan: ExtendPlan, repr_valid=None, out=None,
             return_selection: bool = False):
@@ -97,10 +127,21 @@ class HSAExtendTileLang(Op):
             out = torch.empty_like(q) if out is None else out
             ids = torch.empty(0, self.spec["num_kv_heads"], self.spec["topk"], dtype=torch.int32, device=q.device)
             return (out, ids) if return_selection else out
-        ids, _ = self.decode.select(q, plan.page_table, plan.seq_lens, chunk_repr, repr_valid, validate=False)
+        ids = self.select(q, chunk_repr, plan, repr_valid)
         out = self.decode(q, k_buffer, v_buffer, plan.page_table, plan.seq_lens, chunk_repr, repr_valid,
                           selected_page_ids=ids, out=out, validate=False)
         return (out, ids) if return_selection else out
+
+    def select(self, q, chunk_repr, plan: ExtendPlan, repr_valid=None) -> torch.Tensor:
+        """selected_page_ids [total_q, Hkv, topk] of the planned batch: the tiles' scores, then the decode's top-k
+        over each row."""
+        valid = self.decode.valid_bytes(repr_valid, chunk_repr.shape[0], q.device)
+        keys = self.decode.empty_keys(plan.total_q, plan.page_table.shape[1], q.device)
+        if plan.tile_req.numel():
+            self.score_kernel(q, plan.request_page_table, plan.cum_seq_lens_q, plan.seq_lens, plan.tile_req,
+                              plan.tile_row0, chunk_repr, valid, keys)
+        ids, _ = self.decode.top_pages(keys, plan.page_table, plan.seq_lens)
+        return ids
 
     def __call__(self, q, k_buffer, v_buffer, page_table, seq_lens, cum_seq_lens_q, chunk_repr, repr_valid=None,
                  out=None, return_selection: bool = False, validate: bool = True):
