@@ -8,6 +8,7 @@ import torch
 from golden.hsa_decode import extend_rows, hsa_decode, hsa_extend, random_case, select_pages
 import ops.hsa.extend as extend_module
 from ops.hsa import HSAExtendTileLang
+from test_hsa_decode import COMPILE_SPECS  # tests/ is on sys.path under pytest
 
 # the spec of test_hsa_decode.py's COMPILE_SPECS[0]: its kernels are built there
 SPEC = dict(num_heads=4, num_kv_heads=4, head_dim=64, page_size=16, topk=8, dtype=torch.float16,
@@ -114,3 +115,13 @@ def test_rejects_bad_types(op):
         op.run(b["q"][:60], b["k_buffer"], b["v_buffer"], b["chunk_repr"], plan)
     with pytest.raises(TypeError, match="plan"):
         op.run(b["q"], b["k_buffer"], b["v_buffer"], b["chunk_repr"], (plan.page_table, plan.seq_lens))
+
+
+# ----------------------------------------------------------------------------- compile-only (sm_90a)
+@pytest.mark.compile
+@pytest.mark.parametrize("spec", COMPILE_SPECS, ids=lambda s: f"{s['selection_strategy']}G{s['num_heads'] // s['num_kv_heads']}")
+def test_compiles_for_sm90a(spec):
+    """The extend's own kernel (the tiles' score GEMM); the rest are the decode's, built in test_hsa_decode.py."""
+    spec = {k: v for k, v in spec.items() if k != "score_config"}  # the decode's score kernel only
+    source = HSAExtendTileLang(**spec).score_kernel.get_kernel_source()
+    assert "__global__" in source and "wgmma" in source
