@@ -73,3 +73,19 @@ def bench(b):
             b.target(OP, workload, f">= {speedup}x faster than our dense paged prefill", ms_dense >= speedup * ms)
         del batch, plan, out
         torch.cuda.empty_cache()
+
+
+def _shared_gpu_case(histories, new):
+    """One planned extend step (``run`` on a plan made once, as an engine calls it per layer)."""
+    def make():
+        op = HSAExtendTileLang(**SPEC)
+        batch = _batch(histories, new)
+        plan = op.plan(batch["page_table"], batch["seq_lens"], batch["cum_seq_lens_q"], batch["q"].shape[0],
+                       batch["chunk_repr"].shape[0])
+        out = torch.empty_like(batch["q"])
+        return lambda: op.run(batch["q"], batch["k_buffer"], batch["v_buffer"], batch["chunk_repr"], plan, out=out)
+    return make
+
+
+# scripts/shared_gpu.py: the extend while another stream holds some SMs
+SHARED_GPU = {"hsa_extend 2 x 1024 new on 65536": _shared_gpu_case([65536] * 2, [1024] * 2)}
