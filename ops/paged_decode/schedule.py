@@ -30,9 +30,10 @@ MAX_CTAS_PER_SM = 3  # the register budget that fits 3 CTAs of 256 threads (78-7
 
 
 def smem_bytes(rows: int, block_N: int, num_stages: int, head_dim: int, fp8: bool) -> int:
-    """Shared memory of a CTA's Q and P tiles and its K / V pipeline (an upper bound: FP8 tiles count
-    their 16-bit copies once per stage too)."""
-    kv = num_stages * 2 * block_N * head_dim * ((1 + 2) if fp8 else 2)
+    """Shared memory of a CTA's Q and P tiles and its K / V pipeline: 16-bit stages, or 8-bit stages plus the
+    one 16-bit K and V tile they are widened into."""
+    tile = 2 * block_N * head_dim  # K and V elements of one stage
+    kv = num_stages * tile + 2 * tile if fp8 else 2 * num_stages * tile
     return 2 * block_m(rows) * (head_dim + block_N) + kv
 
 
