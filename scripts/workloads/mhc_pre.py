@@ -105,15 +105,25 @@ def autotune_cases(tokens=16384, n=4, D=4096):
 AUTOTUNE = {"mhc_pre": autotune_cases}
 
 
-def _shared_gpu_case(D, iters, backward=False):
-    """The issue's probe shape (16384 tokens, n = 4): the pre forward, or forward + backward through autograd."""
+def _shared_gpu_case(D, iters, backward=False, graph=False):
+    """The issue's probe shape (16384 tokens, n = 4): the pre forward (eager, or replayed as a CUDA graph: the GPU's
+    time without the host's launches), or forward + backward through autograd."""
     def make():
         from ops.mhc import mhc_pre
 
         x, phi, alpha, bias = random_inputs(1, 16384, 4, D, "cuda")
         if not backward:
             op = MHCForwardPreTileLang(1, 16384, 4, D, sinkhorn_iters=iters)
-            return lambda: op(x, phi, alpha, bias)
+            if not graph:
+                return lambda: op(x, phi, alpha, bias)
+            op(x, phi, alpha, bias)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                op(x, phi, alpha, bias)
+
+            def replay(inputs=(x, phi, alpha, bias)):  # the graph reads these tensors: keep them alive
+                g.replay()
+            return replay
         leaves = [t.requires_grad_() for t in (x, phi, alpha, bias)]
 
         def step():
@@ -125,4 +135,5 @@ def _shared_gpu_case(D, iters, backward=False):
 
 # scripts/shared_gpu.py: the pre while another stream holds some SMs
 SHARED_GPU = {f"mhc_pre fwd D={D} sinkhorn={it}": _shared_gpu_case(D, it) for D in (4096, 7168) for it in (0, 20)}
+SHARED_GPU["mhc_pre fwd D=4096 sinkhorn=20, CUDA graph"] = _shared_gpu_case(4096, 20, graph=True)
 SHARED_GPU["mhc_pre fwd+bwd D=4096 sinkhorn=20"] = _shared_gpu_case(4096, 20, backward=True)
