@@ -111,7 +111,7 @@ def compare(model, prompts, ours: dict, ref: dict) -> tuple[dict, dict]:
     ``ok``: every clear-margin step of ours chose the reference's token, every step's log-probability error is
     within that bound, every request got all its tokens, and the two engines' tokens agree up to each request's
     first difference, at every step where the reference's margin is clear (a near-tie may flip, and past the first
-difference the two continue from different prefixes). Also returns, per request, the reference's logits at each
+    difference the two continue from different prefixes). Also returns, per request, the reference's logits at each
     of our steps (what a tensor-parallel run is compared with)."""
     ours_errs, ref_errs, clear, logits_of = [], [], 0, {}
     chosen_ok = tokens_cmp = tokens_ok = 0
@@ -165,10 +165,10 @@ def same_tokens(tokens: dict, saved: dict, sharded: dict) -> tuple[int, int, int
     for i, (ref_toks, _) in saved.items():
         best, margin, _ = sharded[i]
         for t, (a, b) in enumerate(zip(tokens[i][0], ref_toks)):
-            if margin[t] >= MARGIN and best[t] != b:
-                models_differ += 1
-                break
             if margin[t] >= MARGIN:
+                if best[t] != b:
+                    models_differ += 1
+                    break
                 compared += 1
                 equal += a == b
             if a != b:  # the prefixes differ from here on
