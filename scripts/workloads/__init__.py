@@ -56,6 +56,22 @@ def sdpa_decode_peers(b, op: str, workload: str, batch_size: int, num_heads: int
     return best
 
 
+def graph_replay(step, keep=()):
+    """``step`` run once (builds and warms what it needs), then captured in a CUDA graph, as serving engines replay
+    a step; returns a call that replays the graph and holds ``keep`` (tensors the graph reads and writes beyond
+    what the caller keeps) alive as long as itself."""
+    import torch
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    def replay(inputs=keep):
+        graph.replay()
+    return replay
+
+
 def tilekernels_mhc():
     """DeepSeek TileKernels' mHC functions (``tile_kernels.modeling.mhc.functional``) from a copy of its repository
     in ``.peers/TileKernels`` (not ours to ship), or None. Only the mHC modules are imported: the package's own

@@ -9,7 +9,7 @@ import torch
 from golden.mhc_pre import mhc_forward_pre, random_inputs
 from ops import MHCForwardPreTileLang
 from ops.mhc.tiling import fused_fits
-from scripts.workloads import peer_module
+from scripts.workloads import graph_replay, peer_module
 
 _PEER = pathlib.Path(__file__).resolve().parents[2] / ".peers" / "deepseek_mhc_pre.py"
 
@@ -114,16 +114,10 @@ def _shared_gpu_case(D, iters, backward=False, graph=False):
         x, phi, alpha, bias = random_inputs(1, 16384, 4, D, "cuda")
         if not backward:
             op = MHCForwardPreTileLang(1, 16384, 4, D, sinkhorn_iters=iters)
-            if not graph:
-                return lambda: op(x, phi, alpha, bias)
-            op(x, phi, alpha, bias)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                op(x, phi, alpha, bias)
 
-            def replay(inputs=(x, phi, alpha, bias)):  # the graph reads these tensors: keep them alive
-                g.replay()
-            return replay
+            def step():
+                op(x, phi, alpha, bias)
+            return graph_replay(step, keep=(x, phi, alpha, bias)) if graph else step
         leaves = [t.requires_grad_() for t in (x, phi, alpha, bias)]
 
         def step():
