@@ -119,7 +119,8 @@ def test_rejects_bad_types(op):
 
 # ----------------------------------------------------------------------------- compile-only (sm_90a)
 @pytest.mark.compile
-@pytest.mark.parametrize("spec", COMPILE_SPECS, ids=lambda s: f"{s['selection_strategy']}G{s['num_heads'] // s['num_kv_heads']}")
+@pytest.mark.parametrize("spec", COMPILE_SPECS,
+                         ids=lambda s: f"{s['selection_strategy']}G{s['num_heads'] // s['num_kv_heads']}")
 def test_compiles_for_sm90a(spec):
     """The extend's own kernel (the tiles' score GEMM); the rest are the decode's, built in test_hsa_decode.py."""
     spec = {k: v for k, v in spec.items() if k != "score_config"}  # the decode's score kernel only

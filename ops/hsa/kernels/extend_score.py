@@ -79,7 +79,7 @@ def hsa_extend_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                                 score = dots[0]
                                 for x in dots[1:]:
                                     score = T.max(score, x)
-                            keys[row0 + i, h, c0 + j] = T.if_then_else(repr_valid[pids[j]] != 0, score_to_key(score * scale),
-                                                                  u32(0))
+                            keys[row0 + i, h, c0 + j] = T.if_then_else(repr_valid[pids[j]] != 0,
+                                                                       score_to_key(score * scale), u32(0))
 
     return hsa_extend_score
