@@ -89,8 +89,11 @@ class HTreeBackwardTileLang(Op):
                         and bn * (2 * bm + K + V) // 128 <= regs * 2 // 3), (16, 16))
         rows = next((bn for bn in (64, 32) if ((16 + bn) * (K + V) + 16 * bn) * e + 8 * 16 * K <= _SMEM // 2), 32)
         ct = children_tile(spec["compression_rate"])
-        nodes = next(bm for bm in (64, 32, 16)
-                     if ((ct + bm) * (K + V) + 2 * ct * bm) * e + 4 * ct * K + 28 * bm <= _SMEM)
+        # The nodes kernel's rows are staged twice: as gathered (the pipeline's copy) and as operands. 32 rows
+        # per block, not the 64 that fit: more CTAs per SM overlap one block's gathers with another's products
+        # (H200: 4-5% faster at (a) and (b) 131072 than 64, see docs/design/htree.md).
+        nodes = next(bm for bm in (32, 16)
+                     if ((ct + 2 * bm) * (K + V) + 2 * ct * bm) * e + 4 * ct * K + 28 * bm <= _SMEM)
         return {"top_dq_block_m": top_dq[0], "top_dq_block_n": top_dq[1], "top_dkv_block_n": top_dkv[0],
                 "top_dkv_block_m": top_dkv[1], "rows_block_n": rows, "nodes_block_m": nodes}
 

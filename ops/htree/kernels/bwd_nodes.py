@@ -76,6 +76,10 @@ def htree_bwd_nodes_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
             vc_s, vc_lo = alloc((CT, V))
             q_s, q_lo = alloc((block_m, K))
             do_s, do_lo = alloc((block_m, V))
+            # the block's gathered rows as stored (pure copies: the pipeline overlaps the next block's gathers with
+            # this block's products)
+            qr_s = T.alloc_shared((block_m, K), dtype)
+            dor_s = T.alloc_shared((block_m, V), dtype)
             p_s, p_lo = alloc((CT, block_m))
             ds_s, ds_lo = alloc((CT, block_m))
             # the block's rows: entry valid, query in the slab, slot, rotation of its query, last child it sees
@@ -103,7 +107,15 @@ def htree_bwd_nodes_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
                                   n_nodes)
                 T.clear(acc_dk)
                 T.clear(acc_dv)
-                for it in T.serial(T.ceildiv(e1 - e0, eb)):
+                for it in T.Pipelined(T.ceildiv(e1 - e0, eb), num_stages=1):
+                    # the block's rows, copied as stored (the next block's while this one computes); their indices
+                    # are plain loads of the list (an index from an async copy would be read before it lands)
+                    for m, d in T.Parallel(block_m, K):
+                        qr_s[m, d] = Q[b, t_start + T.shift_right(List[T.min(e0 + it * eb + m // G, e1 - 1)],
+                                                                  LIST_SLOT_BITS), h * G + m % G, d]
+                    for m, d in T.Parallel(block_m, V):
+                        dor_s[m, d] = dO[b, t_start + T.shift_right(List[T.min(e0 + it * eb + m // G, e1 - 1)],
+                                                                    LIST_SLOT_BITS), h * G + m % G, d]
                     for m in T.Parallel(block_m):
                         e = e0 + it * eb + m // G
                         code = List[T.min(e, e1 - 1)]
@@ -120,15 +132,13 @@ def htree_bwd_nodes_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
                         r_lse[m] = Lse[b, t, h * G + m % G] * LOG2E
                         r_dl[m] = Dl[b, t, h * G + m % G]
                     for m, i in T.Parallel(block_m, half):
-                        t = t_start + r_ts[m]
-                        x = T.if_then_else(r_ok[m] != 0, T.cast(Q[b, t, h * G + m % G, i], "float32"), 0.0)
-                        y = T.if_then_else(r_ok[m] != 0, T.cast(Q[b, t, h * G + m % G, i + half], "float32"), 0.0)
+                        x = T.if_then_else(r_ok[m] != 0, T.cast(qr_s[m, i], "float32"), 0.0)
+                        y = T.if_then_else(r_ok[m] != 0, T.cast(qr_s[m, i + half], "float32"), 0.0)
                         lo, hi = rotate(x, y, Cos[r_rel[m], i], Sin[r_rel[m], i])
                         put(q_scale * lo, q_s, q_lo, m, i)
                         put(q_scale * hi, q_s, q_lo, m, i + half)
                     for m, d in T.Parallel(block_m, V):
-                        x = T.cast(dO[b, t_start + r_ts[m], h * G + m % G, d], "float32")
-                        put(T.if_then_else(r_ok[m] != 0, x, 0.0), do_s, do_lo, m, d)
+                        put(T.if_then_else(r_ok[m] != 0, T.cast(dor_s[m, d], "float32"), 0.0), do_s, do_lo, m, d)
                     T.clear(acc_s)
                     T.clear(acc_dp)
                     product(kc_s, kc_lo, q_s, q_lo, acc_s)
