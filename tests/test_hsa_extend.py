@@ -1,6 +1,9 @@
-"""HSAExtendTileLang on the CPU: the plan's decode rows against the golden's, the run's glue with the golden in
-place of the decode's kernels (it must give golden.hsa_decode.hsa_extend), and the value checks (the golden itself
-is checked against the float64 decode definition token by token in test_hsa_decode.py)."""
+"""HSAExtendTileLang on the CPU: the plan's decode rows and tiles against the golden's, the union lists against a
+loop, the run's glue with the union kernel's algorithm emulated in float64 and the golden's selection (it must give
+golden.hsa_decode.hsa_extend), the value checks, and compile-only builds (the golden itself is checked against the
+float64 decode definition token by token in test_hsa_decode.py)."""
+
+import math
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ import torch
 from golden.hsa_decode import extend_rows, hsa_decode, hsa_extend, random_case, select_pages
 import ops.hsa.extend as extend_module
 from ops.hsa import HSAExtendTileLang
+from ops.hsa.extend import union_pages, union_tiles
 from test_hsa_decode import COMPILE_SPECS  # tests/ is on sys.path under pytest
 
 # the spec of test_hsa_decode.py's COMPILE_SPECS[0]: its kernels are built there
@@ -36,19 +40,54 @@ def _batch(seq_lens=(70, 16, 40, 5), q_lens=(20, 0, 40, 1)):
     return case
 
 
-def _golden_select(q, chunk_repr, plan, repr_valid=None):
-    """HSAExtendTileLang.select (the tiles' score GEMM, then the decode's top-k) computed by the golden."""
-    return select_pages(q, plan.page_table, plan.seq_lens, chunk_repr, 16, 8, "group", 0, repr_valid)[0]
+def _union_emulation(spec, tokens):
+    """The union kernel's algorithm for ``spec`` in float64 loops, called as the kernel: per (tile, kv head) the
+    union's selected pages, then the tile's local pages, each merged into every row of a token that takes it by the
+    page's softmax and its merge logit (z = scale q . repr for a selected page in softmax combine, else the page's
+    log-sum-exp); a local page's keys outside the token's [lo, p] are not seen."""
+    ps, W, G = spec["page_size"], spec["window_size"], spec["num_heads"] // spec["num_kv_heads"]
+    scale = spec["head_dim"] ** -0.5
 
+    def first_local(L):
+        return min(max(0, L - W), L // ps * ps)
 
-class _GoldenDecode:
-    """HSADecodeTileLang's call as extend's run uses it, computed by the golden."""
-
-    def __call__(self, q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid=None,
-                 selected_page_ids=None, out=None, validate=True):
-        o, _, _ = hsa_decode(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, 16, 8,
-                             selected_page_ids=selected_page_ids)
-        return o
+    def kernel(q, k_buffer, v_buffer, page_table, cum, row_lens, tile_req, tile_row0, chunk_repr, pages, masks,
+               counts, out):
+        for t, b in enumerate(tile_req.tolist()):
+            if b < 0:
+                continue
+            row0 = int(tile_row0[t])
+            last = min(row0 + tokens, int(cum[b + 1])) - 1
+            local = range(first_local(int(row_lens[row0])) // ps, -(-int(row_lens[last]) // ps))
+            for h in range(k_buffer.shape[1]):
+                items = [("sel", int(pages[t, h, u]), int(masks[t, h, u])) for u in range(int(counts[t, h]))]
+                items += [("loc", int(page_table[b, j]), j) for j in local]
+                for i in range(last - row0 + 1):
+                    L = int(row_lens[row0 + i])
+                    qr = q[row0 + i, h * G:(h + 1) * G].double()
+                    m_run = torch.full((G,), -math.inf, dtype=torch.float64)
+                    l_run = torch.zeros(G, dtype=torch.float64)
+                    acc = torch.zeros(G, q.shape[2], dtype=torch.float64)
+                    for kind, pid, extra in items:
+                        if kind == "sel" and not (extra >> i) & 1:
+                            continue
+                        keys = range(ps) if kind == "sel" else [n for n in range(ps)
+                                                                 if first_local(L) <= extra * ps + n < L]
+                        if not keys:
+                            continue
+                        slots = [pid * ps + n for n in keys]
+                        s = scale * qr @ k_buffer[slots, h].double().t()
+                        o_pg = torch.softmax(s, -1) @ v_buffer[slots, h].double()
+                        logit = torch.logsumexp(s, -1)
+                        if kind == "sel" and spec["combine"] == "softmax":
+                            logit = scale * qr @ chunk_repr[pid, h].double()
+                        m_new = torch.maximum(m_run, logit)
+                        acc = acc * torch.exp(m_run - m_new)[:, None] + torch.exp(logit - m_new)[:, None] * o_pg
+                        l_run = l_run * torch.exp(m_run - m_new) + torch.exp(logit - m_new)
+                        m_run = m_new
+                    o = torch.where(l_run[:, None] > 0, acc / l_run[:, None], 0)
+                    out[row0 + i, h * G:(h + 1) * G] = o.to(out.dtype)
+    return kernel
 
 
 @pytest.mark.compile
@@ -76,16 +115,85 @@ def test_tiles_cover_every_token_once(op, q_lens):
     assert tile_req.dtype == tile_row0.dtype == torch.int32
 
 
+# SPEC (G = 1, window 0, softmax combine, group) and test_hsa_decode's second compile spec (G = 4, a window of 100
+# over pages of 32, token combine, head strategy): both built by the compile-only tests
+GLUE_SPECS = [SPEC, {k: v for k, v in COMPILE_SPECS[1].items() if k != "score_config"}]
+
+
+def _decode_stand_in(spec):
+    """The decode op as the golden decode on the given selection, called as the op."""
+    def decode(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid, selected_page_ids, out, validate):
+        out.copy_(hsa_decode(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, spec["page_size"], spec["topk"],
+                             spec["selection_strategy"], spec["window_size"], spec["combine"], repr_valid,
+                             selected_page_ids=selected_page_ids)[0])
+        return out
+    return decode
+
+
 @pytest.mark.compile
-def test_run_is_the_golden_extend(op, monkeypatch):
-    b = _batch()
-    monkeypatch.setattr(op, "decode", _GoldenDecode())
-    monkeypatch.setattr(op, "select", _golden_select)
-    o, ids = op(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], b["cum_seq_lens_q"],
-                b["chunk_repr"], b["repr_valid"], return_selection=True, validate=False)
-    o_ref, ids_ref, _ = hsa_extend(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"],
-                                b["cum_seq_lens_q"], b["chunk_repr"], 16, 8, repr_valid=b["repr_valid"])
-    assert torch.equal(ids, ids_ref) and torch.equal(o, o_ref)
+@pytest.mark.parametrize("ratio", [0.0, 0.5, 1e9], ids=["by-token", "mixed", "by-union"])
+@pytest.mark.parametrize("spec", GLUE_SPECS, ids=["G1-softmax", "G4-window-token"])
+def test_run_is_the_golden_extend(spec, ratio, monkeypatch):
+    """The run's glue (plan, the union lists, the per-tile choice, the union kernel's algorithm emulated in
+    float64, the decode as its golden) gives the golden extend: a tile's tokens over the union of their pages, each
+    page merged only into the rows that selected it, is every token's own decode, and so is the decode over the
+    other tiles' rows. Ragged chunks, a request of no new token, histories below a page and across the window; every
+    tile by the union, none, and the default choice (which here takes both paths)."""
+    op = HSAExtendTileLang(**{**spec, "config": {**spec.get("config", {}), "union_max_ratio": ratio}})
+    H, Hkv, D, ps, topk = (spec[k] for k in ("num_heads", "num_kv_heads", "head_dim", "page_size", "topk"))
+    torch.manual_seed(1)
+    case = random_case([500, 16, 260, 9], H, Hkv, D, ps, dtype=spec["dtype"], invalid_frac=0.1)
+    cum = torch.tensor([0, 200, 0, 130, 9]).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cum[-1]), H, D).to(spec["dtype"])
+    sel = dict(selection_strategy=spec["selection_strategy"], window_size=spec["window_size"])
+
+    def golden_select(q, chunk_repr, plan, repr_valid=None):
+        return select_pages(q, plan.page_table, plan.seq_lens, chunk_repr, ps, topk, repr_valid=repr_valid, **sel)[0]
+
+    monkeypatch.setattr(op, "union_kernel", _union_emulation(spec, op.tile_tokens))
+    monkeypatch.setattr(op, "decode", _decode_stand_in(spec))
+    monkeypatch.setattr(op, "select", golden_select)
+    if ratio == 0.5:  # the default choice takes both paths on this batch
+        plan = op.plan(case["page_table"], case["seq_lens"], cum, q.shape[0], validate=False)
+        ids = golden_select(q, case["chunk_repr"], plan, case["repr_valid"])
+        counts = union_pages(ids, plan.row_tile, plan.row_slot, plan.tile_req.numel(), op.tile_tokens,
+                             plan.page_table.shape[1])[2]
+        by_union = union_tiles(ids, counts, plan.row_tile, plan.tile_req.numel(), ratio)[plan.tile_req >= 0]
+        assert by_union.any() and not by_union.all()
+    o, ids = op(q, case["k_buffer"], case["v_buffer"], case["page_table"], case["seq_lens"], cum, case["chunk_repr"],
+                case["repr_valid"], return_selection=True, validate=False)
+    o_ref, ids_ref, _ = hsa_extend(q, case["k_buffer"], case["v_buffer"], case["page_table"], case["seq_lens"], cum,
+                                   case["chunk_repr"], ps, topk, combine=spec["combine"],
+                                   repr_valid=case["repr_valid"], **sel)
+    assert torch.equal(ids, ids_ref)
+    # 16-bit outputs of a float64 and a float32 computation
+    torch.testing.assert_close(o.float(), o_ref.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("tokens", [1, 3, 64])
+def test_union_pages_against_a_loop(tokens):
+    """union_pages: per (tile, kv head) the distinct selected pages ascending, a bit per tile token that selected
+    each, the count; -1 entries (no page) never counted."""
+    g = torch.Generator().manual_seed(tokens)
+    R, Hkv, K, max_pages = 150, 3, 5, 40
+    ids = torch.stack([torch.randperm(12, generator=g)[:K] for _ in range(R * Hkv)]).view(R, Hkv, K)
+    ids = torch.where(torch.rand(R, Hkv, K, generator=g) < 0.2, -1, ids).to(torch.int32)  # a row's pages: distinct
+    row_tile = (torch.arange(R) // tokens).to(torch.int32)
+    row_slot = (torch.arange(R) % tokens).to(torch.int32)
+    num_tiles = int(row_tile.max()) + 2  # one spare tile
+    pages, masks, counts = union_pages(ids, row_tile, row_slot, num_tiles, tokens, max_pages)
+    for t in range(num_tiles):
+        for h in range(Hkv):
+            want = {}
+            for r in range(R):
+                if row_tile[r] == t:
+                    for p in set(ids[r, h].tolist()) - {-1}:
+                        want[p] = want.get(p, 0) | (1 << int(row_slot[r]))
+            n = int(counts[t, h])
+            assert n == len(want) and pages[t, h, :n].tolist() == sorted(want)
+            assert [int(m) & ((1 << 64) - 1) for m in masks[t, h, :n]] == [want[p] for p in sorted(want)]
+    assert pages.dtype == counts.dtype == torch.int32 and masks.dtype == torch.int64
 
 
 @pytest.mark.compile
@@ -122,7 +230,10 @@ def test_rejects_bad_types(op):
 @pytest.mark.parametrize("spec", COMPILE_SPECS,
                          ids=lambda s: f"{s['selection_strategy']}G{s['num_heads'] // s['num_kv_heads']}")
 def test_compiles_for_sm90a(spec):
-    """The extend's own kernel (the tiles' score GEMM); the rest are the decode's, built in test_hsa_decode.py."""
+    """The extend's own kernels (the tiles' score GEMM, the union attention); the top-k is the decode's, built in
+    test_hsa_decode.py."""
     spec = {k: v for k, v in spec.items() if k != "score_config"}  # the decode's score kernel only
-    source = HSAExtendTileLang(**spec).score_kernel.get_kernel_source()
+    op = HSAExtendTileLang(**spec)
+    source = op.score_kernel.get_kernel_source()
     assert "__global__" in source and "wgmma" in source
+    assert "hsa_extend_union" in op.union_kernel.get_kernel_source()

@@ -52,6 +52,9 @@ def bench(b):
     if b.quick:
         rows = [("(a) quick: 2 x 512 new on 8192", [8192] * 2, [512] * 2, None, False)]
     op = HSAExtendTileLang(**SPEC)
+    # the two attention paths forced, beside the default per-tile choice
+    forced = {"every tile by the union": HSAExtendTileLang(**SPEC, config={"union_max_ratio": 1e9}),
+              "every tile token by token": HSAExtendTileLang(**SPEC, config={"union_max_ratio": 0.0})}
     dense = PagedAttentionPrefillTileLang(H, HKV, D, PS, torch.bfloat16, kv_layout="NHD")
     for workload, histories, new, speedup, correlated in rows:
         batch = _batch(histories, new, correlated)
@@ -63,6 +66,9 @@ def bench(b):
         ms = b.time(lambda: op.run(batch["q"], batch["k_buffer"], batch["v_buffer"], batch["chunk_repr"], plan,
                                    out=out))
         b.row(OP, workload, "tilelang (run)", ms, bytes=moved, flops=flops, ours=True)
+        for impl, op_forced in forced.items():
+            b.row(OP, workload, impl, b.time(lambda: op_forced.run(batch["q"], batch["k_buffer"], batch["v_buffer"],
+                                                                   batch["chunk_repr"], plan, out=out)))
         k_pages = batch["k_buffer"].view(-1, PS, HKV, D)
         v_pages = batch["v_buffer"].view(-1, PS, HKV, D)
         table = batch["page_table"].clamp(min=0)
