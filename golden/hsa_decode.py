@@ -84,8 +84,9 @@ def select_pages(q, page_table, seq_lens, chunk_repr, page_size, topk, selection
 
 
 def _attend(q, k, v, scale):
-    """Softmax attention of q [G, D] over k, v [N, D] -> (o [G, D], lse [G])."""
-    s = scale * q @ k.t()
+    """Softmax attention of q [G, D] over k, v [..., N, D] (a leading axis: one softmax per chunk)
+    -> (o [..., G, D], lse [..., G])."""
+    s = scale * q @ k.transpose(-1, -2)
     return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
 
 
@@ -123,18 +124,19 @@ def hsa_decode(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, page_siz
                 if slots.numel():
                     o[b, h] = _attend(qh, k_buffer[slots, h].to(acc), v_buffer[slots, h].to(acc), scale)[0]
                 continue
-            outs, logits = [], []
-            for pid in pids.tolist():
-                slots = pid * page_size + offs
-                outs.append(_attend(qh, k_buffer[slots, h].to(acc), v_buffer[slots, h].to(acc), scale)[0])
-                logits.append(scale * qh @ chunk_repr[pid, h].to(acc))
+            # each selected page on its own (one softmax per page), its logit z_k = scale * q . E_k
+            shape = (pids.numel(), page_size, D)
+            o_sel, _ = _attend(qh, k_buffer[page_slots, h].to(acc).view(shape),
+                               v_buffer[page_slots, h].to(acc).view(shape), scale)  # [K, G, D]
+            outs, logits = [o_sel], [scale * chunk_repr[pids, h].to(acc) @ qh.t()]  # [K, G]
             if local_slots.numel():
                 o_loc, lse_loc = _attend(qh, k_buffer[local_slots, h].to(acc), v_buffer[local_slots, h].to(acc), scale)
-                outs.append(o_loc)
-                logits.append(lse_loc)
-            if outs:
-                w = torch.softmax(torch.stack(logits, dim=-1), dim=-1)  # [G, chunks]
-                o[b, h] = torch.einsum("gc,cgd->gd", w, torch.stack(outs))
+                outs.append(o_loc[None])
+                logits.append(lse_loc[None])
+            outs, logits = torch.cat(outs), torch.cat(logits)  # [chunks, G, D], [chunks, G]
+            if outs.shape[0]:
+                w = torch.softmax(logits, dim=0)  # over the chunks, per query head
+                o[b, h] = torch.einsum("cg,cgd->gd", w, outs)
     return o.view(B, Hq, D).to(q.dtype), selected_page_ids, scores
 
 
