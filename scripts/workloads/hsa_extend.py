@@ -1,6 +1,8 @@
 """HSA extend: the issue's bench rows (bf16, H=32, Hkv=8, D=128, page 64, topk 64, window 512) against our dense
 paged prefill over the same cache (exact attention over the whole history): (a) 8 requests x 2048 new tokens on
-65536 of history, (b) 4 x 4096 on 524288, (c) 16 ragged requests, new 1..4096, history 0..131072."""
+65536 of history, (b) 4 x 4096 on 524288, (c) 16 ragged requests, new 1..4096, history 0..131072; and (a) again
+with correlated queries. Beside the default per-tile choice, each attention path forced on every tile (the union
+kernel, the decode token by token)."""
 
 import torch
 
