@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from golden.hsa_decode import extend_rows, hsa_decode, hsa_extend, random_case, select_pages
+from golden.hsa_decode import extend_rows, hsa_decode, hsa_extend, local_range, random_case, select_pages
 import ops.hsa.extend as extend_module
 from ops.hsa import HSAExtendTileLang
 from ops.hsa.extend import union_pages, union_tiles
@@ -49,7 +49,7 @@ def _union_emulation(spec, tokens):
     scale = spec["head_dim"] ** -0.5
 
     def first_local(L):
-        return min(max(0, L - W), L // ps * ps)
+        return local_range(L, ps, W)[1]
 
     def kernel(q, k_buffer, v_buffer, page_table, cum, row_lens, tile_req, tile_row0, chunk_repr, pages, masks,
                counts, out):

@@ -120,9 +120,8 @@ class HSAExtendTileLang(Op):
         req = torch.searchsorted(cum_seq_lens_q[1:], rows, right=True).clamp_(max=max(B - 1, 0))
         pos = seq_lens[req] - q_lens[req] + rows - cum_seq_lens_q[req]
         tile_req, tile_row0 = self.tiles(cum_seq_lens_q, total_q)
-        per_req = (q_lens.long() + self.tile_tokens - 1) // self.tile_tokens
         k = (rows - cum_seq_lens_q[req]).long()  # the token's index among its request's new tokens
-        row_tile = per_req.cumsum(0)[req] - per_req[req] + k // self.tile_tokens
+        row_tile = self._request_tiles(cum_seq_lens_q)[1][req] + k // self.tile_tokens
         return ExtendPlan(page_table[req], (pos + 1).to(torch.int32), total_q, page_table, cum_seq_lens_q, tile_req,
                           tile_row0, row_tile.to(torch.int32), (k % self.tile_tokens).to(torch.int32))
 
@@ -132,19 +131,23 @@ class HSAExtendTileLang(Op):
         sync): spare tiles come last, with request -1."""
         B, tokens = cum_seq_lens_q.shape[0] - 1, self.tile_tokens
         bound = (total_q + B * (tokens - 1)) // tokens
-        q_lens = (cum_seq_lens_q[1:] - cum_seq_lens_q[:-1]).long()
-        per_req = (q_lens + tokens - 1) // tokens
-        ends = per_req.cumsum(0)
+        per_req, first = self._request_tiles(cum_seq_lens_q)
         t = torch.arange(bound, device=cum_seq_lens_q.device)
-        req = torch.searchsorted(ends, t, right=True)
+        req = torch.searchsorted(first + per_req, t, right=True)
         real = req < B
         req = req.clamp(max=max(B - 1, 0))
-        row0 = cum_seq_lens_q[req].long() + (t - (ends[req] - per_req[req])) * tokens
+        row0 = cum_seq_lens_q[req].long() + (t - first[req]) * tokens
         return (torch.where(real, req, -1).to(torch.int32), torch.where(real, row0, 0).to(torch.int32))
+
+    def _request_tiles(self, cum_seq_lens_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per request (int64): its number of query tiles and the index of its first one."""
+        q_lens = (cum_seq_lens_q[1:] - cum_seq_lens_q[:-1]).long()
+        per_req = (q_lens + self.tile_tokens - 1) // self.tile_tokens
+        return per_req, per_req.cumsum(0) - per_req
 
     def run(self, q, k_buffer, v_buffer, chunk_repr, plan: ExtendPlan, repr_valid=None, out=None,
             return_selection: bool = False):
-        """The planned batch (no host sync): the selection, then the tiles' attention over their pages' unions."""
+        """The planned batch (no host sync): the selection, then each tile's attention (`attend`)."""
         check_bool("return_selection", return_selection)
         if not isinstance(plan, ExtendPlan):
             raise TypeError(f"plan: expected an ExtendPlan (from op.plan), got {type(plan).__name__}")
@@ -201,7 +204,7 @@ def union_tiles(ids: torch.Tensor, counts: torch.Tensor, row_tile: torch.Tensor,
     """bool [num_tiles]: the tiles whose union of pages (``counts`` [num_tiles, Hkv] from `union_pages`) holds
     fewer than ``max_ratio`` x their tokens' page reads (the selected pages of ids [total_q, Hkv, topk], -1: none).
     The union kernel runs a page for all of a tile's rows, masked to the tokens that chose it, so it pays only where
-    tokens share pages: with H200's measured costs it breaks even near 0.6-0.75 (docs/design/hsa.md)."""
+    tokens share pages: at the bench's measured costs (H100) it breaks even near 0.6-0.75 (docs/design/hsa.md)."""
     reads = torch.zeros(num_tiles, dtype=torch.int64, device=ids.device).index_add_(
         0, row_tile.long(), (ids >= 0).sum((1, 2)))
     return counts.sum(1) < max_ratio * reads
