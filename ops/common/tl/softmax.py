@@ -6,8 +6,9 @@ instruction; a natural-log score s is s * LOG2E there).
 ``lse_update`` / ``lse_finish``  a log-sum-exp kept as per-element partial (max, sum) pairs, reduced per row
                          at the end (htree's top-layer and walk passes)
 
-HSA decode keeps its own merge: it folds whole pages' (max, sum) states with a validity mask and per-mode
-logits into the running state, a different operation from both of these.
+HSA keeps its own merge (`ops/hsa/kernels/common.page_merge`, the decode's and the extend's): it folds whole
+pages' (max, sum) states with a validity mask and per-mode logits into the running state, a different operation
+from both of these.
 """
 
 import tilelang.language as T

@@ -5,7 +5,7 @@ import tilelang.language as T
 
 from ...common.hw import LOG2E
 from ..schedule import QROWS_DECODE, ZCOLS
-from .common import first_local
+from .common import first_local, merge_state, page_merge
 
 
 def hsa_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, topk: int,
@@ -22,6 +22,7 @@ def hsa_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
     batch, max_pages, num_slots, num_pages, num_splits = T.dynamic(
         "batch, max_pages, num_slots, num_pages, num_splits")
     f32 = "float32"
+    merge = page_merge(scale * LOG2E, fuse_z)
 
     @T.prim_func
     def hsa_decode(q: T.Tensor((batch, num_heads, head_dim), dtype),
@@ -49,6 +50,7 @@ def hsa_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
             l_pg = T.alloc_fragment((GM,), f32)
             alpha = T.alloc_fragment((GM,), f32)
             weight = T.alloc_fragment((GM,), f32)
+            st = merge_state(acc_s, p_s, acc_o, m_run, l_run, m_pg, l_pg, alpha, weight)
             L = seq_lens[b]
             lo = first_local(L, page_size, window_size)
             p0 = lo // page_size
@@ -89,32 +91,7 @@ def hsa_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
                 tok_hi = T.if_then_else(valid, T.if_then_else(is_loc, L - j_loc * page_size, page_size), 0)
                 T.copy(k_buffer[pid * page_size:(pid + 1) * page_size, h, :], k_s)
                 T.copy(v_buffer[pid * page_size:(pid + 1) * page_size, h, :], v_s)
-                T.gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                for g, n in T.Parallel(GM, page_size):
-                    acc_s[g, n] = T.if_then_else(n >= tok_lo and n < tok_hi, acc_s[g, n] * (scale * LOG2E),
-                                                 -T.infinity(f32))
-                T.reduce_max(acc_s, m_pg, dim=1)
-                for g in T.Parallel(GM):
-                    m_pg[g] = T.if_then_else(valid, m_pg[g], 0)  # keeps an empty item's exp2 at 0, not NaN
-                for g, n in T.Parallel(GM, page_size):
-                    acc_s[g, n] = T.exp2(acc_s[g, n] - m_pg[g])
-                T.reduce_sum(acc_s, l_pg, dim=1)
-                for g in T.Parallel(GM):
-                    # Merge logit in log2 units: z_k for a selected page in softmax mode, else the lse.
-                    logit = m_pg[g] + T.log2(l_pg[g])
-                    if fuse_z:
-                        logit = T.if_then_else(is_sel, z_s[g, it] * (scale * LOG2E), logit)
-                    m_new = T.if_then_else(valid, T.max(m_run[g], logit), m_run[g])
-                    alpha[g] = T.if_then_else(valid, T.exp2(m_run[g] - m_new), 1)
-                    weight[g] = T.if_then_else(valid, T.exp2(logit - m_new), 0)
-                    l_run[g] = l_run[g] * alpha[g] + weight[g]
-                    weight[g] = T.if_then_else(valid, weight[g] / l_pg[g], 0)
-                    m_run[g] = m_new
-                for g, d in T.Parallel(GM, head_dim):
-                    acc_o[g, d] *= alpha[g]
-                for g, n in T.Parallel(GM, page_size):
-                    p_s[g, n] = T.cast(acc_s[g, n] * weight[g], dtype)
-                T.gemm(p_s, v_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
+                merge(q_s, k_s, v_s, st, tok_lo, tok_hi, valid, z_s, it, is_sel)
 
             for g, d in T.Parallel(GM, head_dim):
                 if g < G:

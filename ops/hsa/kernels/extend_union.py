@@ -15,7 +15,7 @@ import tilelang.language as T
 
 from ...common.hw import LOG2E
 from ..schedule import ZCOLS
-from .common import first_local
+from .common import first_local, merge_state, page_merge
 
 
 def hsa_extend_union_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
@@ -29,6 +29,7 @@ def hsa_extend_union_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
         "total_q, batch, max_pages, num_slots, num_pages, num_tiles, cap")
     f32 = "float32"
     unit = scale * LOG2E
+    merge = page_merge(unit, fuse_z)
 
     @T.prim_func
     def hsa_extend_union(q: T.Tensor((total_q, num_heads, head_dim), dtype),
@@ -60,6 +61,7 @@ def hsa_extend_union_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             l_pg = T.alloc_fragment((M,), f32)
             alpha = T.alloc_fragment((M,), f32)
             weight = T.alloc_fragment((M,), f32)
+            st = merge_state(acc_s, p_s, acc_o, m_run, l_run, m_pg, l_pg, alpha, weight)
             row_lo = T.alloc_fragment((M,), "int32")  # the item's keys [row_lo, row_hi) the row sees
             row_hi = T.alloc_fragment((M,), "int32")
             tok_len = T.alloc_shared((tokens,), "int32")  # per token: its decode length p + 1 (0 past the end)
@@ -108,33 +110,7 @@ def hsa_extend_union_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                             row_lo[m] = T.if_then_else(is_sel, 0, T.max(lo - j_loc * page_size, 0))
                             row_hi[m] = T.if_then_else(is_sel, T.if_then_else(sel_hit, page_size, 0),
                                                        T.min(L - j_loc * page_size, page_size))
-                        T.gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                        for m, n in T.Parallel(M, page_size):
-                            acc_s[m, n] = T.if_then_else(T.And(n >= row_lo[m], n < row_hi[m]), acc_s[m, n] * unit,
-                                                         -T.infinity(f32))
-                        T.reduce_max(acc_s, m_pg, dim=1)
-                        for m in T.Parallel(M):
-                            # keeps a row without keys here at exp2(-inf - 0) = 0, not NaN
-                            m_pg[m] = T.if_then_else(row_hi[m] > row_lo[m], m_pg[m], 0)
-                        for m, n in T.Parallel(M, page_size):
-                            acc_s[m, n] = T.exp2(acc_s[m, n] - m_pg[m])
-                        T.reduce_sum(acc_s, l_pg, dim=1)
-                        for m in T.Parallel(M):
-                            valid = row_hi[m] > row_lo[m]
-                            logit = m_pg[m] + T.log2(l_pg[m])  # log2 units
-                            if fuse_z:
-                                logit = T.if_then_else(is_sel, z_s[m, it] * unit, logit)
-                            m_new = T.if_then_else(valid, T.max(m_run[m], logit), m_run[m])
-                            alpha[m] = T.if_then_else(valid, T.exp2(m_run[m] - m_new), 1)
-                            weight[m] = T.if_then_else(valid, T.exp2(logit - m_new), 0)
-                            l_run[m] = l_run[m] * alpha[m] + weight[m]
-                            weight[m] = T.if_then_else(valid, weight[m] / l_pg[m], 0)
-                            m_run[m] = m_new
-                        for m, d in T.Parallel(M, head_dim):
-                            acc_o[m, d] *= alpha[m]
-                        for m, n in T.Parallel(M, page_size):
-                            p_s[m, n] = T.cast(acc_s[m, n] * weight[m], dtype)
-                        T.gemm(p_s, v_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
+                        merge(q_s, k_s, v_s, st, row_lo, row_hi, None, z_s, it, is_sel)
                 for m, d in T.Parallel(M, head_dim):
                     if row0 + m // G <= last:
                         out[row0 + m // G, h * G + m % G, d] = T.cast(
