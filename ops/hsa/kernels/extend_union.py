@@ -13,9 +13,17 @@ and are not written."""
 
 import tilelang.language as T
 
-from ...common.hw import LOG2E
+from ...common.hw import LOG2E, SMEM_PER_SM
 from ..schedule import ZCOLS
 from .common import first_local, merge_state, page_merge
+
+
+def union_ctas_per_sm(rows: int, head_dim: int, page_size: int, dtype: str, most: int = 3) -> int:
+    """CTAs per SM by the kernel's shared memory (q, K, V, the reprs' and P tiles, z; 1 KiB reserved per CTA),
+    at most ``most`` (128 threads each, ~150 registers at the bench shape: 3 fit the register file)."""
+    e = 4 if dtype == "float32" else 2
+    smem = (rows * head_dim + 2 * page_size * head_dim + ZCOLS * head_dim + rows * page_size) * e + rows * ZCOLS * 4
+    return max(1, min(most, SMEM_PER_SM // (smem + 1024)))
 
 
 def hsa_extend_union_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
@@ -46,6 +54,9 @@ def hsa_extend_union_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                          counts: T.Tensor((num_tiles, num_kv_heads), "int32"),
                          out: T.Tensor((total_q, num_heads, head_dim), dtype)):
         with T.Kernel(num_tiles, num_kv_heads, threads=threads) as (t, h):
+            # registers budgeted for as many CTAs as shared memory holds (3 at the bench shape), so that one CTA's
+            # page loads overlap another's math
+            T.annotate_min_blocks_per_sm(union_ctas_per_sm(M, head_dim, page_size, dtype))
             q_s = T.alloc_shared((M, head_dim), dtype)
             k_s = T.alloc_shared((page_size, head_dim), dtype)
             v_s = T.alloc_shared((page_size, head_dim), dtype)
@@ -98,7 +109,9 @@ def hsa_extend_union_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                         pid = T.if_then_else(is_sel, T.max(sel_pid, 0),
                                              page_table[b, T.clamp(j_loc, 0, max_pages - 1)])
                         T.copy(k_buffer[pid * page_size:(pid + 1) * page_size, h, :], k_s)
-                        # Slots past the request's end may hold anything: P is 0 there, but 0 * NaN is not.
+                        # Slots past the request's end may hold anything: P is 0 there, but 0 * NaN is not. (Plain
+                        # loads: TileLang's pipeline planner takes no second write to an async-copied tile, so V
+                        # cannot be copied by cp.async and then zeroed there.)
                         for n, d in T.Parallel(page_size, head_dim):
                             v_s[n, d] = T.if_then_else(T.Or(is_sel, j_loc * page_size + n < row_lens[last]),
                                                        v_buffer[pid * page_size + n, h, d], T.cast(0, dtype))
