@@ -220,14 +220,15 @@ def test_split_mix_compiles_for_sm90a():
 
 
 @pytest.mark.compile
-def test_compiles_with_sinkhorn():
-    """sinkhorn_iters >= 1 adds the Sinkhorn kernel (one thread per token, no shared memory, no barrier) and
-    changes nothing else; 0 builds none."""
-    op = MHCForwardPreTileLang(2, 8, 2, 520, sinkhorn_iters=20)
-    assert op._sinkhorn is not None and op.spec == MHCForwardPreTileLang(2, 8, 2, 520).spec
-    assert MHCForwardPreTileLang(2, 8, 2, 520)._sinkhorn is None
-    src = op._sinkhorn.get_kernel_source()
-    assert "mhc_pre_sinkhorn_kernel" in src and "__syncthreads" not in src and "__shared__" not in src
+@pytest.mark.parametrize("n,D,splits", [(2, 520, 1), (4, 1024, 2), (8, 256, 1)])
+def test_compiles_with_sinkhorn(n, D, splits):
+    """sinkhorn_iters >= 1 projects h_res in the mix kernel's epilogue (also behind the split reduction), with
+    no kernel of its own and the same spec; 0 leaves the logits."""
+    op = MHCForwardPreTileLang(2, 8, n, D, sinkhorn_iters=20, config={"splits": splits})
+    plain = MHCForwardPreTileLang(2, 8, n, D, config={"splits": splits})
+    assert op._sinkhorn is None and op.spec == plain.spec
+    src, plain_src = op._mix.get_kernel_source(), plain._mix.get_kernel_source()
+    assert src.count("__expf") + src.count("exp") > plain_src.count("__expf") + plain_src.count("exp")
 
 
 @pytest.mark.compile

@@ -20,8 +20,9 @@ right behind (programmatic dependent launch: the single pass triggers at its sta
 because a 16-CTA cluster needs 16 free SMs in one GPC: while another stream's kernel holds SMs spread over
 the GPCs (40 of 132 on an H200), no cluster can start and the op waits for that kernel to end.
 
-With `sinkhorn_iters` >= 1 a small kernel (`mhc_pre_sinkhorn`, one thread per token) then turns the h_res
-logits into their Sinkhorn projection comb, in place.
+With `sinkhorn_iters` >= 1 h_res is the logits' Sinkhorn projection comb: the mix kernel's epilogue computes it
+(one thread per token of its tile); after the single pass a small kernel (`mhc_pre_sinkhorn`, one thread per
+token) turns the logits it wrote into comb, in place.
 """
 
 import torch
@@ -141,9 +142,11 @@ class MHCForwardPreTileLang(Op):
             self._fused = compile_kernel(mhc_pre_fused_kernel(**self.spec, **self.config))
             self._side = compile_kernel(mhc_pre_mix_kernel(**self.spec, **_SIDE_CONFIG, apply=True))
         else:
-            self._mix = compile_kernel(mhc_pre_mix_kernel(**self.spec, **self.config))
+            self._mix = compile_kernel(mhc_pre_mix_kernel(**self.spec, **self.config, sinkhorn_iters=sinkhorn_iters))
             self._apply = compile_kernel(mhc_pre_apply_kernel(n, D))
-        self._sinkhorn = compile_kernel(mhc_pre_sinkhorn_kernel(n, sinkhorn_iters, hc_eps)) if sinkhorn_iters else None
+        # the mix kernel projects h_res itself; the single pass leaves it to the Sinkhorn kernel
+        self._sinkhorn = (compile_kernel(mhc_pre_sinkhorn_kernel(n, sinkhorn_iters, hc_eps))
+                          if sinkhorn_iters and single_pass else None)
 
     def check_inputs(self, x, phi, alpha, bias) -> None:
         n, D = self.n, self.D

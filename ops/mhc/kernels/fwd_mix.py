@@ -10,6 +10,7 @@ split order and runs the epilogue: no CTA waits for another, and the sums are bi
 
 from ...common import runtime  # noqa: F401  (the kernel cache dir before TileLang is imported)
 from ..tiling import _D_PAD, _SIDE_D, _round_up, phi_split_rows
+from .sinkhorn import sinkhorn_project
 
 import tilelang.language as T  # noqa: E402
 
@@ -33,9 +34,10 @@ __device__ __forceinline__ float mhc_ld_cg(const float* p, int i) { return __ldc
 
 def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
                        block_t: int = 128, block_k: int = 128, num_stages: int = 2, threads: int = 256,
-                       splits: int = 1, apply: bool = False):
+                       splits: int = 1, apply: bool = False, sinkhorn_iters: int = 0):
     """Per tile of `block_t` tokens: h_pre, h_post, h_res and inv_rms; with `apply` also h_in, from x read
-    a second time (the side kernel of the single pass, see ops/mhc/pre.py). `splits` (a divisor of the
+    a second time (the side kernel of the single pass, see ops/mhc/pre.py); with `sinkhorn_iters` >= 1 h_res is
+    comb, the logits' Sinkhorn projection, one thread per token of the tile (no kernel of its own). `splits` (a divisor of the
     n * Dp / block_k column chunks; 1 with `apply`) CTAs per tile, each over its share of the chunks, the
     partials in Part (flat, [tiles, splits, block_t, NG + 1] in that order, any longer length) and the arrivals
     counted in Count [tiles or more] (zero at the first launch; each tile's last CTA zeroes its count again): one
@@ -46,6 +48,7 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
     assert per_split * splits == n * d_chunks and not (apply and splits > 1)
     num_tokens = T.dynamic("num_tokens")
     part_len, count_tiles = T.dynamic("part_len"), T.dynamic("count_tiles")
+    project = sinkhorn_project(n, sinkhorn_iters, hc_eps) if sinkhorn_iters else None
 
     @T.prim_func
     def mhc_pre_mix(
@@ -133,8 +136,21 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
                             hpre_s[t, r] = h_pre
                     elif r < 2 * n:
                         HPost[t0 + t, r - n] = 2 * T.sigmoid(Alpha[1] * inv_rms * mix_s[t, r] + Bias[r])
-                    else:
+                    elif not sinkhorn_iters:
                         HRes[t0 + t, r - 2 * n] = Alpha[2] * inv_rms * mix_s[t, r] + Bias[r]
+            if sinkhorn_iters:  # comb from the logits, a token per thread (mix_s and sumsq_s are only read)
+                p = T.alloc_local((n * n,), "float32")
+                q = T.alloc_local((n,), "float32")
+                d = T.alloc_local((n,), "float32")
+                for i in T.serial(T.ceildiv(block_t, threads)):
+                    tt = i * threads + T.get_thread_binding()
+                    if (splits == 1 or last[0] == 1) and tt < block_t and t0 + tt < num_tokens:
+                        scale = Alpha[2] * T.rsqrt(sumsq_s[tt] / (n * D) + rms_eps)
+                        for e in T.unroll(n * n):
+                            p[e] = scale * mix_s[tt, 2 * n + e] + Bias[2 * n + e]
+                        project(p, q, d)
+                        for e in T.unroll(n * n):
+                            HRes[t0 + tt, e] = p[e]
             if apply:
                 x_f = T.alloc_fragment((n, block_t, _SIDE_D), "bfloat16")
                 out_f = T.alloc_fragment((block_t, _SIDE_D), "float32")

@@ -93,10 +93,28 @@ def _macros(n: int, hc_eps: float):
     return softmax_rows, softmax_logits, normalize, normalize_bwd
 
 
+def sinkhorn_project(n: int, sinkhorn_iters: int, hc_eps: float):
+    """A per-thread macro ``project(p, q, d)``: p [n*n] (local) from one token's comb logits to comb, their
+    Sinkhorn projection (q, d: local arrays of n). Used by `mhc_pre_sinkhorn` and the mix kernel's epilogue."""
+    softmax_rows, _, normalize, _ = _macros(n, hc_eps)
+
+    @T.macro
+    def project(p, q, d):
+        softmax_rows(p, q, d)
+        for e in T.unroll(n * n):
+            p[e] = p[e] + T.float32(hc_eps)
+        normalize(p, d, 0, q, True)
+        for _ in T.serial(sinkhorn_iters - 1):
+            normalize(p, d, 0, q, False)
+            normalize(p, d, 0, q, True)
+
+    return project
+
+
 def mhc_pre_sinkhorn_kernel(n: int, sinkhorn_iters: int, hc_eps: float, threads: int = _SINKHORN_THREADS):
     """HRes [tokens, n*n]: the comb logits in, comb = their Sinkhorn projection (`sinkhorn_iters` >= 1) out."""
     NN = n * n
-    softmax_rows, _, normalize, _ = _macros(n, hc_eps)
+    project = sinkhorn_project(n, sinkhorn_iters, hc_eps)
     num_tokens = T.dynamic("num_tokens")
 
     @T.prim_func
@@ -109,13 +127,7 @@ def mhc_pre_sinkhorn_kernel(n: int, sinkhorn_iters: int, hc_eps: float, threads:
             if t < num_tokens:
                 for e in T.unroll(NN):
                     p[e] = HRes[t, e]
-                softmax_rows(p, q, d)
-                for e in T.unroll(NN):
-                    p[e] = p[e] + T.float32(hc_eps)
-                normalize(p, d, 0, q, True)
-                for _ in T.serial(sinkhorn_iters - 1):
-                    normalize(p, d, 0, q, False)
-                    normalize(p, d, 0, q, True)
+                project(p, q, d)
                 for e in T.unroll(NN):
                     HRes[t, e] = p[e]
 
