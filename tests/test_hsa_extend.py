@@ -1,6 +1,7 @@
-"""HSAExtendTileLang on the CPU: the plan's decode rows and tiles against the golden's, the union lists against a
-loop, the run's glue with the union kernel's algorithm emulated in float64 and the golden's selection (it must give
-golden.hsa_decode.hsa_extend), the value checks, and compile-only builds (the golden itself is checked against the
+"""HSAExtendTileLang on the CPU: the plan's decode rows and tiles against the golden's, the union lists and the
+page-major entry lists against loops, the run's glue with the union, page-major and combine kernels' algorithms
+emulated in float64 and the golden's selection (it must give golden.hsa_decode.hsa_extend), the value checks, and
+compile-only builds (the golden itself is checked against the
 float64 decode definition token by token in test_hsa_decode.py)."""
 
 import math
@@ -9,9 +10,10 @@ import pytest
 import torch
 
 from golden.hsa_decode import extend_rows, hsa_decode, hsa_extend, local_range, random_case, select_pages
+import ops.hsa.decode as decode_module
 import ops.hsa.extend as extend_module
 from ops.hsa import HSAExtendTileLang
-from ops.hsa.extend import union_pages, union_tiles
+from ops.hsa.extend import page_entries, union_pages, union_tiles
 from test_hsa_decode import COMPILE_SPECS  # tests/ is on sys.path under pytest
 
 # the spec of test_hsa_decode.py's COMPILE_SPECS[0]: its kernels are built there
@@ -28,6 +30,7 @@ def op():
 def cpu_tensors_ok(allow_cpu_tensors):
     """Lets the op's checks run on CPU tensors: only the CUDA-device error is waived."""
     allow_cpu_tensors(extend_module)
+    allow_cpu_tensors(decode_module)  # the decode's shape checks, which run also calls
 
 
 def _batch(seq_lens=(70, 16, 40, 5), q_lens=(20, 0, 40, 1)):
@@ -40,19 +43,30 @@ def _batch(seq_lens=(70, 16, 40, 5), q_lens=(20, 0, 40, 1)):
     return case
 
 
-def _union_emulation(spec, tokens):
+def _page_attention(spec, qr, k_buffer, v_buffer, chunk_repr, h, pid, keys, selected):
+    """One page's softmax attention of the rows qr [G, D] over its ``keys`` (offsets in the page), float64 -> (o,
+    merge logit: z = scale q . repr for a ``selected`` page in softmax combine, else the page's log-sum-exp)."""
+    scale = spec["head_dim"] ** -0.5
+    slots = [pid * spec["page_size"] + n for n in keys]
+    s = scale * qr @ k_buffer[slots, h].double().t()
+    logit = torch.logsumexp(s, -1)
+    if selected and spec["combine"] == "softmax":
+        logit = scale * qr @ chunk_repr[pid, h].double()
+    return torch.softmax(s, -1) @ v_buffer[slots, h].double(), logit
+
+
+def _union_emulation(spec, tokens, part):
     """The union kernel's algorithm for ``spec`` in float64 loops, called as the kernel: per (tile, kv head) the
     union's selected pages, then the tile's local pages, each merged into every row of a token that takes it by the
-    page's softmax and its merge logit (z = scale q . repr for a selected page in softmax combine, else the page's
-    log-sum-exp); a local page's keys outside the token's [lo, p] are not seen."""
+    page's softmax and its merge logit (`_page_attention`); a local page's keys outside the token's [lo, p] are not
+    seen. Writes partial slot ``part``: the normalized output and its log-sum-exp (-inf: nothing)."""
     ps, W, G = spec["page_size"], spec["window_size"], spec["num_heads"] // spec["num_kv_heads"]
-    scale = spec["head_dim"] ** -0.5
 
     def first_local(L):
         return local_range(L, ps, W)[1]
 
     def kernel(q, k_buffer, v_buffer, page_table, cum, row_lens, tile_req, tile_row0, chunk_repr, pages, masks,
-               counts, out):
+               counts, o_part, logit_part):
         for t, b in enumerate(tile_req.tolist()):
             if b < 0:
                 continue
@@ -75,19 +89,40 @@ def _union_emulation(spec, tokens):
                                                                  if first_local(L) <= extra * ps + n < L]
                         if not keys:
                             continue
-                        slots = [pid * ps + n for n in keys]
-                        s = scale * qr @ k_buffer[slots, h].double().t()
-                        o_pg = torch.softmax(s, -1) @ v_buffer[slots, h].double()
-                        logit = torch.logsumexp(s, -1)
-                        if kind == "sel" and spec["combine"] == "softmax":
-                            logit = scale * qr @ chunk_repr[pid, h].double()
+                        o_pg, logit = _page_attention(spec, qr, k_buffer, v_buffer, chunk_repr, h, pid, keys,
+                                                      kind == "sel")
                         m_new = torch.maximum(m_run, logit)
                         acc = acc * torch.exp(m_run - m_new)[:, None] + torch.exp(logit - m_new)[:, None] * o_pg
                         l_run = l_run * torch.exp(m_run - m_new) + torch.exp(logit - m_new)
                         m_run = m_new
                     o = torch.where(l_run[:, None] > 0, acc / l_run[:, None], 0)
-                    out[row0 + i, h * G:(h + 1) * G] = o.to(out.dtype)
+                    o_part[row0 + i, part, h * G:(h + 1) * G] = o.to(o_part.dtype)
+                    logit_part[row0 + i, part, h * G:(h + 1) * G] = (m_run + l_run.log()).float()
     return kernel
+
+
+def _pages_emulation(spec):
+    """The page-major kernel's algorithm in float64 loops, called as the kernel: for every (kv head, page) group of
+    the entry lists, each entry's rows over the whole page into its (row, slot) partial."""
+    G = spec["num_heads"] // spec["num_kv_heads"]
+
+    def kernel(q, k_buffer, v_buffer, chunk_repr, group_start, entry_row, entry_slot, o_part, logit_part):
+        num_pages = chunk_repr.shape[0]
+        for g in range(group_start.numel() - 1):
+            h, pid = divmod(g, num_pages)
+            for e in range(int(group_start[g]), int(group_start[g + 1])):
+                row, slot = int(entry_row[e]), int(entry_slot[e])
+                o, logit = _page_attention(spec, q[row, h * G:(h + 1) * G].double(), k_buffer, v_buffer, chunk_repr,
+                                           h, pid, range(spec["page_size"]), True)
+                o_part[row, slot, h * G:(h + 1) * G] = o.to(o_part.dtype)
+                logit_part[row, slot, h * G:(h + 1) * G] = logit.float()
+    return kernel
+
+
+def _combine_emulation(o_part, logit_part, out):
+    """The combine kernel: the slots merged by the softmax of their logits, 0 where every slot is empty."""
+    w = torch.softmax(logit_part.double(), dim=1).nan_to_num(0.0)
+    out.copy_(torch.einsum("rsh,rshd->rhd", w, torch.where(w[..., None] > 0, o_part.double(), 0)))
 
 
 @pytest.mark.compile
@@ -130,16 +165,23 @@ def _decode_stand_in(spec):
     return decode
 
 
+PATHS = {"by-token": {"page_major": False, "union_max_ratio": 0.0},
+         "mixed": {"page_major": False, "union_max_ratio": 0.5},
+         "by-union": {"page_major": False, "union_max_ratio": 1e9},
+         "page-major": {}}
+
+
 @pytest.mark.compile
-@pytest.mark.parametrize("ratio", [0.0, 0.5, 1e9], ids=["by-token", "mixed", "by-union"])
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("spec", GLUE_SPECS, ids=["G1-softmax", "G4-window-token"])
-def test_run_is_the_golden_extend(spec, ratio, monkeypatch):
-    """The run's glue (plan, the union lists, the per-tile choice, the union kernel's algorithm emulated in
-    float64, the decode as its golden) gives the golden extend: a tile's tokens over the union of their pages, each
-    page merged only into the rows that selected it, is every token's own decode, and so is the decode over the
-    other tiles' rows. Ragged chunks, a request of no new token, histories below a page and across the window; every
-    tile by the union, none, and the default choice (which here takes both paths)."""
-    op = HSAExtendTileLang(**{**spec, "config": {**spec.get("config", {}), "union_max_ratio": ratio}})
+def test_run_is_the_golden_extend(spec, path, monkeypatch):
+    """The run's glue (plan, the entry or union lists, the per-tile choice, the kernels' algorithms emulated in
+    float64, the decode as its golden) gives the golden extend: each selected page attended on its own for every
+    token that chose it, the local tokens per tile, merged by the combine (page-major, the default); or a tile's
+    tokens over the union of their pages, each page merged only into the rows that selected it, and the decode over
+    the other tiles' rows. Ragged chunks, a request of no new token, histories below a page and across the window;
+    page-major, every tile by the union, none, and the choice (which here takes both paths)."""
+    op = HSAExtendTileLang(**{**spec, "config": {**spec.get("config", {}), **PATHS[path]}})
     H, Hkv, D, ps, topk = (spec[k] for k in ("num_heads", "num_kv_heads", "head_dim", "page_size", "topk"))
     torch.manual_seed(1)
     case = random_case([500, 16, 260, 9], H, Hkv, D, ps, dtype=spec["dtype"], invalid_frac=0.1)
@@ -150,15 +192,20 @@ def test_run_is_the_golden_extend(spec, ratio, monkeypatch):
     def golden_select(q, chunk_repr, plan, repr_valid=None):
         return select_pages(q, plan.page_table, plan.seq_lens, chunk_repr, ps, topk, repr_valid=repr_valid, **sel)[0]
 
-    monkeypatch.setattr(op, "union_kernel", _union_emulation(spec, op.tile_tokens))
-    monkeypatch.setattr(op, "decode", _decode_stand_in(spec))
+    monkeypatch.setattr(op, "union_kernel", _union_emulation(spec, op.tile_tokens, topk if path == "page-major" else 0))
+    if path == "page-major":
+        monkeypatch.setattr(op, "pages_kernel", _pages_emulation(spec))
+        monkeypatch.setattr(op, "combine_kernel", _combine_emulation)
+    decode = _decode_stand_in(spec)
+    decode._check_decode = op.decode._check_decode  # run's shape checks
+    monkeypatch.setattr(op, "decode", decode)
     monkeypatch.setattr(op, "select", golden_select)
-    if ratio == 0.5:  # the default choice takes both paths on this batch
+    if path == "mixed":  # the choice takes both paths on this batch
         plan = op.plan(case["page_table"], case["seq_lens"], cum, q.shape[0], validate=False)
         ids = golden_select(q, case["chunk_repr"], plan, case["repr_valid"])
         counts = union_pages(ids, plan.row_tile, plan.row_slot, plan.tile_req.numel(), op.tile_tokens,
                              plan.page_table.shape[1])[2]
-        by_union = union_tiles(ids, counts, plan.row_tile, plan.tile_req.numel(), ratio)[plan.tile_req >= 0]
+        by_union = union_tiles(ids, counts, plan.row_tile, plan.tile_req.numel(), 0.5)[plan.tile_req >= 0]
         assert by_union.any() and not by_union.all()
     o, ids = op(q, case["k_buffer"], case["v_buffer"], case["page_table"], case["seq_lens"], cum, case["chunk_repr"],
                 case["repr_valid"], return_selection=True, validate=False)
@@ -197,6 +244,24 @@ def test_union_pages_against_a_loop(tokens):
 
 
 @pytest.mark.compile
+def test_page_entries_against_a_loop():
+    """page_entries: group h * num_pages + p lists the (row, slot) entries that selected page p for kv head h, rows
+    ascending; -1 entries (no page) in no group, after the last."""
+    g = torch.Generator().manual_seed(0)
+    R, Hkv, K, num_pages = 90, 3, 5, 12
+    ids = torch.stack([torch.randperm(num_pages, generator=g)[:K] for _ in range(R * Hkv)]).view(R, Hkv, K)
+    ids = torch.where(torch.rand(R, Hkv, K, generator=g) < 0.2, -1, ids).to(torch.int32)
+    start, row, slot = page_entries(ids, num_pages)
+    assert start.dtype == row.dtype == slot.dtype == torch.int32 and start.numel() == Hkv * num_pages + 1
+    assert int(start[0]) == 0 and int(start[-1]) == int((ids >= 0).sum())
+    for h in range(Hkv):
+        for p in range(num_pages):
+            gi = h * num_pages + p
+            got = list(zip(row[start[gi]:start[gi + 1]].tolist(), slot[start[gi]:start[gi + 1]].tolist()))
+            assert got == [(r, k) for r in range(R) for k in range(K) if ids[r, h, k] == p]
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("cum,seq_lens,match", [
     ([1, 21, 21, 61, 62], None, "cum_seq_lens_q: expected to start at 0"),
     ([0, 30, 20, 61, 61], None, "never decrease"),
@@ -230,10 +295,13 @@ def test_rejects_bad_types(op):
 @pytest.mark.parametrize("spec", COMPILE_SPECS,
                          ids=lambda s: f"{s['selection_strategy']}G{s['num_heads'] // s['num_kv_heads']}")
 def test_compiles_for_sm90a(spec):
-    """The extend's own kernels (the tiles' score GEMM, the union attention); the top-k is the decode's, built in
+    """The extend's own kernels (the tiles' score GEMM, the union attention, the page-major attention and its
+    combine); the top-k is the decode's, built in
     test_hsa_decode.py."""
     spec = {k: v for k, v in spec.items() if k != "score_config"}  # the decode's score kernel only
     op = HSAExtendTileLang(**spec)
     source = op.score_kernel.get_kernel_source()
     assert "__global__" in source and "wgmma" in source
     assert "hsa_extend_union" in op.union_kernel.get_kernel_source()
+    assert "hsa_extend_pages" in op.pages_kernel.get_kernel_source()
+    assert "hsa_extend_combine" in op.combine_kernel.get_kernel_source()

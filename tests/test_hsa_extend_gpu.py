@@ -30,15 +30,15 @@ TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=4e-3
 # Selection scores are fp32 dots summed in another order than the golden's: pages whose scores differ by less
 # may swap (scores here are of order 1-10, their rounding errors ~1e-6).
 SCORE_TOL = 1e-4
-# the attention's per-tile choice (config union_max_ratio): the default, every tile by the union of its pages,
-# every tile token by token through the decode's kernels
+# the attention's paths: the default (page-major), and with page_major off the per-tile choice (config
+# union_max_ratio): every tile by the union of its pages, every tile token by token through the decode's kernels
 PATHS = {"default": None, "by-union": 1e9, "by-token": 0.0}
 _OPS = {}
 
 
 def get_op(name, path="default"):
     if (name, path) not in _OPS:
-        config = None if PATHS[path] is None else {"union_max_ratio": PATHS[path]}
+        config = None if PATHS[path] is None else {"page_major": False, "union_max_ratio": PATHS[path]}
         _OPS[name, path] = HSAExtendTileLang(**SPECS[name], config=config)
     return _OPS[name, path]
 
@@ -142,12 +142,12 @@ def test_cuda_graph_capture_with_validation_off():
     torch.testing.assert_close(out.float(), o_ref.float(), **TOL[SPECS[name]["dtype"]])
 
 
-@pytest.mark.parametrize("path", ["by-union", "by-token"])
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("name", list(SPECS))
 def test_extend_memcheck_shapes(name, path):
     """Small ragged batches for ``PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python -m pytest
     -m gpu tests/test_hsa_extend_gpu.py -k memcheck``: the last tile of a request short of tokens, a request of no new
-    token, histories below and across the window, every kernel of the selection and of both attention paths."""
+    token, histories below and across the window, every kernel of the selection and of the three attention paths."""
     torch.manual_seed(4)
     s = SPECS[name]
     hist_new = [(0, 3), (70, 0), (700, 19), (90, 1)]

@@ -24,6 +24,7 @@ from ..common.validate import check_bool, check_float, check_tensor, check_value
 from ..common.runtime import compile_kernel
 from .decode import BENCH_SPEC, HSADecodeTileLang
 from .kernels.extend_score import extend_tile_tokens, hsa_extend_score_kernel
+from .kernels.extend_pages import hsa_extend_combine_kernel, hsa_extend_pages_kernel
 from .kernels.extend_union import hsa_extend_union_kernel
 
 
@@ -66,10 +67,11 @@ class HSAExtendTileLang(Op):
 
     @classmethod
     def default_config(cls, spec: dict) -> dict:
-        """The decode's, and ``union_max_ratio``: a tile attends by the union of its tokens' pages when that union
+        """The decode's; ``page_major`` (default): the selected pages page by page for all tokens that chose them
+        (`attend_pages`); else per tile (``union_max_ratio``): by the union of its tokens' pages when that union
         holds fewer than this fraction of their page reads (selected pages, summed over tokens and kv heads), else
         token by token through the decode's kernels (0: never by the union)."""
-        return {**HSADecodeTileLang.default_config(spec), "union_max_ratio": UNION_MAX_RATIO}
+        return {**HSADecodeTileLang.default_config(spec), "union_max_ratio": UNION_MAX_RATIO, "page_major": True}
 
     @classmethod
     def config_space(cls, spec: dict) -> list[dict]:
@@ -81,20 +83,31 @@ class HSAExtendTileLang(Op):
                  combine: str = "softmax", scale: float | None = None, config: dict | None = None):
         config = dict(config or {})
         ratio = check_float("config['union_max_ratio']", config.pop("union_max_ratio", UNION_MAX_RATIO), lo=0)
+        page_major = config.pop("page_major", True)
+        check_bool("config['page_major']", page_major)
         self.decode = HSADecodeTileLang(num_heads, num_kv_heads, head_dim, page_size, topk, dtype,
                                         selection_strategy, window_size, combine, scale, config or None)
         self.dtype, self.spec = dtype, self.decode.spec
-        self.config = {**self.decode.config, "union_max_ratio": ratio}
+        self.config = {**self.decode.config, "union_max_ratio": ratio, "page_major": page_major}
         sp = self.spec
         self.tile_tokens = extend_tile_tokens(num_heads, num_kv_heads)
         self.score_kernel = compile_kernel(hsa_extend_score_kernel(
             num_heads, num_kv_heads, head_dim, page_size, sp["dtype"], selection_strategy, window_size, sp["scale"]))
         # As the decode's: without warp specialization, every warp computes, splitting the N of every product
         # (N = page_size needs >= 8 per warp).
+        # page-major: the union kernel with no union page gives the local tokens' slot, after the topk pages'
         self.union_kernel = compile_kernel(
             hsa_extend_union_kernel(num_heads, num_kv_heads, head_dim, page_size, sp["dtype"], window_size, combine,
-                                    sp["scale"], self.tile_tokens, threads=32 * min(4, page_size // 8)),
+                                    sp["scale"], self.tile_tokens, part=topk if page_major else 0,
+                                    threads=32 * min(4, page_size // 8)),
             pass_configs={"tl.disable_warp_specialized": True})
+        if page_major:
+            self.pages_kernel = compile_kernel(hsa_extend_pages_kernel(
+                num_heads, num_kv_heads, head_dim, page_size, topk, sp["dtype"], combine, sp["scale"]))
+            # a plain cp.async pipeline: warp specialization would hold one CTA per SM (240 registers)
+            self.combine_kernel = compile_kernel(hsa_extend_combine_kernel(num_heads, head_dim, topk + 1,
+                                                                           sp["dtype"]),
+                                                 pass_configs={"tl.disable_warp_specialized": True})
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, cum_seq_lens_q: torch.Tensor, total_q: int,
              num_pages: int | None = None, validate: bool = True) -> ExtendPlan:
@@ -156,10 +169,32 @@ class HSAExtendTileLang(Op):
             out = torch.empty_like(q) if out is None else out
             ids = torch.empty(0, self.spec["num_kv_heads"], self.spec["topk"], dtype=torch.int32, device=q.device)
             return (out, ids) if return_selection else out
+        self.decode._check_decode(q, k_buffer, v_buffer, plan.page_table, plan.seq_lens, chunk_repr, repr_valid, None,
+                                  out, validate=False)
         ids = self.select(q, chunk_repr, plan, repr_valid)
         out = torch.empty_like(q) if out is None else out
-        self.attend(q, k_buffer, v_buffer, chunk_repr, repr_valid, plan, ids, out)
+        if self.config["page_major"]:
+            self.attend_pages(q, k_buffer, v_buffer, chunk_repr, plan, ids, out)
+        else:
+            self.attend(q, k_buffer, v_buffer, chunk_repr, repr_valid, plan, ids, out)
         return (out, ids) if return_selection else out
+
+    def attend_pages(self, q, k_buffer, v_buffer, chunk_repr, plan: ExtendPlan, ids, out):
+        """out of the planned batch given its selections, page-major (no host sync): each selected page read once
+        for every token that chose it (`page_entries`, ``hsa_extend_pages``) into the tokens' partial slots, the
+        local tokens per tile into the last slot (the union kernel, no union page), then the combine."""
+        sp = self.spec
+        topk, Hkv = sp["topk"], sp["num_kv_heads"]
+        num_tiles, dev = plan.tile_req.numel(), q.device
+        o_part = torch.empty(plan.total_q, topk + 1, *q.shape[1:], dtype=q.dtype, device=dev)
+        logit_part = torch.full((plan.total_q, topk + 1, q.shape[1]), float("-inf"), device=dev)
+        self.pages_kernel(q, k_buffer, v_buffer, chunk_repr, *page_entries(ids, chunk_repr.shape[0]), o_part,
+                          logit_part)
+        no_pages = torch.full((num_tiles, Hkv, 1), -1, dtype=torch.int32, device=dev)
+        self.union_kernel(q, k_buffer, v_buffer, plan.request_page_table, plan.cum_seq_lens_q, plan.seq_lens,
+                          plan.tile_req, plan.tile_row0, chunk_repr, no_pages, torch.zeros_like(no_pages, dtype=torch.int64),
+                          torch.zeros(num_tiles, Hkv, dtype=torch.int32, device=dev), o_part, logit_part)
+        self.combine_kernel(o_part, logit_part, out)
 
     def attend(self, q, k_buffer, v_buffer, chunk_repr, repr_valid, plan: ExtendPlan, ids, out):
         """out of the planned batch given its selections, chosen per tile on the device (no host sync): a tile
@@ -177,7 +212,7 @@ class HSAExtendTileLang(Op):
                     validate=False)
         self.union_kernel(q, k_buffer, v_buffer, plan.request_page_table, plan.cum_seq_lens_q, plan.seq_lens,
                           torch.where(by_union, plan.tile_req, -1), plan.tile_row0, chunk_repr, pages, masks, counts,
-                          out)
+                          out.unsqueeze(1), torch.empty(plan.total_q, 1, q.shape[1], device=q.device))
 
     def select(self, q, chunk_repr, plan: ExtendPlan, repr_valid=None) -> torch.Tensor:
         """selected_page_ids [total_q, Hkv, topk] of the planned batch: the tiles' scores, then the decode's top-k
@@ -197,6 +232,21 @@ class HSAExtendTileLang(Op):
                      device=q.device)
         plan = self.plan(page_table, seq_lens, cum_seq_lens_q, q.shape[0], chunk_repr.shape[0], validate)
         return self.run(q, k_buffer, v_buffer, chunk_repr, plan, repr_valid, out, return_selection)
+
+
+def page_entries(ids: torch.Tensor, num_pages: int):
+    """The page-major kernel's lists, on the device with no host sync: the (row, slot) entries of ids [total_q, Hkv,
+    topk] (-1: none) grouped by (kv head, physical page): (group_start [Hkv * num_pages + 1] int32, entry_row,
+    entry_slot [total_q * Hkv * topk] int32); group h * num_pages + p holds entries group_start[g] .. [g + 1], rows
+    ascending; the missing pages' entries come after the last group."""
+    R, Hkv, K = ids.shape
+    dev = ids.device
+    groups = Hkv * num_pages
+    head = torch.arange(Hkv, dtype=torch.int32, device=dev)[None, :, None] * num_pages
+    key = torch.where(ids >= 0, head + ids, groups).reshape(-1)
+    key, order = key.sort(stable=True)
+    group_start = torch.searchsorted(key, torch.arange(groups + 1, dtype=torch.int32, device=dev), out_int32=True)
+    return group_start, (order // (Hkv * K)).to(torch.int32), (order % K).to(torch.int32)
 
 
 def union_tiles(ids: torch.Tensor, counts: torch.Tensor, row_tile: torch.Tensor, num_tiles: int,

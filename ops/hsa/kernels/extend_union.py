@@ -27,14 +27,17 @@ def union_ctas_per_sm(rows: int, head_dim: int, page_size: int, dtype: str, most
 
 
 def hsa_extend_union_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
-                            window_size: int, combine: str, scale: float, tokens: int, threads: int = 128):
-    """out rows of every planned tile (``tile_req[t]`` >= 0) from its union pages ``pages[t, h, :counts[t, h]]``
-    (masks: bit i = the tile's token i selected the page) and its local pages."""
+                            window_size: int, combine: str, scale: float, tokens: int, part: int = 0,
+                            threads: int = 128):
+    """Partial slot ``part`` (o_part: the normalized output; logit_part: its log-sum-exp, natural units, -inf when
+    empty) of the rows of every planned tile (``tile_req[t]`` >= 0) from its union pages
+    ``pages[t, h, :counts[t, h]]`` (masks: bit i = the tile's token i selected the page) and its local pages. With no
+    union page this is the rows' local attention, the slot the page-major path's combine merges with the pages'."""
     G = num_heads // num_kv_heads
     M = tokens * G
     fuse_z = combine == "softmax"
-    total_q, batch, max_pages, num_slots, num_pages, num_tiles, cap = T.dynamic(
-        "total_q, batch, max_pages, num_slots, num_pages, num_tiles, cap")
+    total_q, batch, max_pages, num_slots, num_pages, num_tiles, cap, num_parts = T.dynamic(
+        "total_q, batch, max_pages, num_slots, num_pages, num_tiles, cap, num_parts")
     f32 = "float32"
     unit = scale * LOG2E
     merge = page_merge(unit, fuse_z)
@@ -52,7 +55,8 @@ def hsa_extend_union_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                          pages: T.Tensor((num_tiles, num_kv_heads, cap), "int32"),
                          masks: T.Tensor((num_tiles, num_kv_heads, cap), "int64"),
                          counts: T.Tensor((num_tiles, num_kv_heads), "int32"),
-                         out: T.Tensor((total_q, num_heads, head_dim), dtype)):
+                         o_part: T.Tensor((total_q, num_parts, num_heads, head_dim), dtype),
+                         logit_part: T.Tensor((total_q, num_parts, num_heads), f32)):
         with T.Kernel(num_tiles, num_kv_heads, threads=threads) as (t, h):
             # registers budgeted for as many CTAs as shared memory holds (3 at the bench shape), so that one CTA's
             # page loads overlap another's math
@@ -126,7 +130,11 @@ def hsa_extend_union_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                         merge(q_s, k_s, v_s, st, row_lo, row_hi, None, z_s, it, is_sel)
                 for m, d in T.Parallel(M, head_dim):
                     if row0 + m // G <= last:
-                        out[row0 + m // G, h * G + m % G, d] = T.cast(
+                        o_part[row0 + m // G, part, h * G + m % G, d] = T.cast(
                             T.if_then_else(l_run[m] > 0, acc_o[m, d] / l_run[m], 0), dtype)
+                for m in T.Parallel(M):
+                    if row0 + m // G <= last:
+                        logit_part[row0 + m // G, part, h * G + m % G] = T.if_then_else(
+                            l_run[m] > 0, (m_run[m] + T.log2(l_run[m])) / LOG2E, -T.infinity(f32))
 
     return hsa_extend_union

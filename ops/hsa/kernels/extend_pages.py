@@ -1,0 +1,140 @@
+"""The page-major attention of HSA extend and the combine of its partials.
+
+Every new token selects `topk` pages per kv head, and at the bench shapes a page is selected by tens to hundreds of
+a request's new tokens. `hsa_extend_pages` runs one CTA per (physical page, kv head): it reads the page's K and V
+once and goes through the list of the (token, slot) entries that selected it (built on the device by
+``ops.hsa.extend.page_entries``), in blocks of rows (entry, query head of the group), each row's softmax over the
+page alone. It writes each row's normalized page output and merge logit (the page's log-sum-exp in token combine,
+z = scale q . repr in softmax combine) into the token's partial slot: a page is read once per launch instead of
+once per token, and the partials cost ~(head_dim x 2 + 4) bytes per (token, query head, slot) written and read.
+A page selected by a token is complete and wholly before its local window, so no key is masked. Rows are
+independent: the result does not depend on how the entries are blocked (deterministic).
+
+`hsa_extend_combine` merges a token's topk + 1 partial slots (the selected pages and the local tokens, written by
+the union kernel) per query head: o = sum_s exp(logit_s - max) o_s / sum_s exp(logit_s - max), 0 when no slot has
+anything."""
+
+import tilelang.language as T
+
+from ...common.hw import LOG2E
+
+ZN = 16  # the z product's N: the page's repr in row 0, zeros below (one mma N tile)
+
+
+def hsa_extend_pages_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, topk: int,
+                            dtype: str, combine: str, scale: float, block_m: int = 64, threads: int = 128):
+    """o_part[row, slot, h * G + g] and logit_part[row, slot, h * G + g] of every entry (row, slot) in
+    ``entry_row / entry_slot[group_start[h * num_pages + p] : group_start[h * num_pages + p + 1]]``: its
+    token's query heads over page p of kv head h."""
+    G = num_heads // num_kv_heads
+    eb = block_m // G  # entries per block of rows: row m is entry m // G, head m % G
+    fuse_z = combine == "softmax"
+    total_q, num_slots, num_pages, num_entries, num_parts = T.dynamic(
+        "total_q, num_slots, num_pages, num_entries, num_parts")
+    f32 = "float32"
+    unit = scale * LOG2E
+
+    @T.prim_func
+    def hsa_extend_pages(q: T.Tensor((total_q, num_heads, head_dim), dtype),
+                         k_buffer: T.Tensor((num_slots, num_kv_heads, head_dim), dtype),
+                         v_buffer: T.Tensor((num_slots, num_kv_heads, head_dim), dtype),
+                         chunk_repr: T.Tensor((num_pages, num_kv_heads, head_dim), dtype),
+                         group_start: T.Tensor((num_kv_heads * num_pages + 1,), "int32"),
+                         entry_row: T.Tensor((num_entries,), "int32"),
+                         entry_slot: T.Tensor((num_entries,), "int32"),
+                         o_part: T.Tensor((total_q, num_parts, num_heads, head_dim), dtype),
+                         logit_part: T.Tensor((total_q, num_parts, num_heads), f32)):
+        with T.Kernel(num_pages, num_kv_heads, threads=threads) as (p, h):
+            k_s = T.alloc_shared((page_size, head_dim), dtype)
+            v_s = T.alloc_shared((page_size, head_dim), dtype)
+            e_s = T.alloc_shared((ZN, head_dim), dtype)
+            q_s = T.alloc_shared((block_m, head_dim), dtype)
+            p_s = T.alloc_shared((block_m, page_size), dtype)
+            o_s = T.alloc_shared((block_m, head_dim), dtype)
+            acc_s = T.alloc_fragment((block_m, page_size), f32)
+            acc_o = T.alloc_fragment((block_m, head_dim), f32)
+            z = T.alloc_fragment((block_m, ZN), f32)
+            z_row = T.alloc_fragment((block_m,), f32)
+            m_pg = T.alloc_fragment((block_m,), f32)
+            l_pg = T.alloc_fragment((block_m,), f32)
+            e0 = group_start[h * num_pages + p]
+            e1 = group_start[h * num_pages + p + 1]
+            if e1 > e0:
+                T.copy(k_buffer[p * page_size:(p + 1) * page_size, h, :], k_s)
+                T.copy(v_buffer[p * page_size:(p + 1) * page_size, h, :], v_s)
+                if fuse_z:
+                    for r, d in T.Parallel(ZN, head_dim):
+                        e_s[r, d] = T.if_then_else(r == 0, chunk_repr[p, h, d], T.cast(0, dtype))
+                for it in T.Pipelined(T.ceildiv(e1 - e0, eb), num_stages=1):
+                    # the block's query rows, gathered (the next block's while this one computes); the entry
+                    # indices are plain loads (an index from an async copy would be read before it lands)
+                    for m, d in T.Parallel(block_m, head_dim):
+                        q_s[m, d] = q[entry_row[T.min(e0 + it * eb + m // G, e1 - 1)], h * G + m % G, d]
+                    T.gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    if fuse_z:
+                        T.gemm(q_s, e_s, z, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.reduce_sum(z, z_row, dim=1)  # column 0 (the others are 0: exact)
+                    T.reduce_max(acc_s, m_pg, dim=1)
+                    for m, n in T.Parallel(block_m, page_size):
+                        acc_s[m, n] = T.exp2((acc_s[m, n] - m_pg[m]) * unit)
+                    T.reduce_sum(acc_s, l_pg, dim=1)
+                    T.copy(acc_s, p_s)
+                    T.gemm(p_s, v_s, acc_o, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    for m, d in T.Parallel(block_m, head_dim):
+                        o_s[m, d] = T.cast(acc_o[m, d] / l_pg[m], dtype)
+                    for m in T.Parallel(block_m):
+                        e = e0 + it * eb + m // G
+                        if e < e1:
+                            # natural units, as the combine's
+                            logit_part[entry_row[e], entry_slot[e], h * G + m % G] = (
+                                z_row[m] * scale if fuse_z else m_pg[m] * scale + T.log(l_pg[m]))
+                    for m, d in T.Parallel(block_m, head_dim):
+                        e = e0 + it * eb + m // G
+                        if e < e1:
+                            o_part[entry_row[e], entry_slot[e], h * G + m % G, d] = o_s[m, d]
+
+    return hsa_extend_pages
+
+
+def combine_heads(num_heads: int, head_dim: int) -> int:
+    """Query heads per combine CTA: an fp32 accumulator of at most 4096 values (32 registers a thread)."""
+    hb = max(1, min(num_heads, 4096 // head_dim))
+    while num_heads % hb:
+        hb -= 1
+    return hb
+
+
+def hsa_extend_combine_kernel(num_heads: int, head_dim: int, num_parts: int, dtype: str, threads: int = 128):
+    """out[row, h] = the merge of o_part[row, :, h] by the softmax of logit_part[row, :, h] (0: nothing)."""
+    HB = combine_heads(num_heads, head_dim)
+    total_q = T.dynamic("total_q")
+    f32 = "float32"
+
+    @T.prim_func
+    def hsa_extend_combine(o_part: T.Tensor((total_q, num_parts, num_heads, head_dim), dtype),
+                           logit_part: T.Tensor((total_q, num_parts, num_heads), f32),
+                           out: T.Tensor((total_q, num_heads, head_dim), dtype)):
+        with T.Kernel(total_q, num_heads // HB, threads=threads) as (row, hb):
+            w_s = T.alloc_shared((num_parts, HB), f32)
+            o_s = T.alloc_shared((HB, head_dim), dtype)
+            acc = T.alloc_fragment((HB, head_dim), f32)
+            total = T.alloc_shared((HB,), f32)
+            T.copy(logit_part[row, :, hb * HB:(hb + 1) * HB], w_s)
+            for j in T.Parallel(HB):  # a thread per head: the slots' softmax weights
+                mx = T.alloc_var(f32, init=-T.infinity(f32))
+                for s in T.serial(num_parts):
+                    mx = T.max(mx, w_s[s, j])
+                total[j] = 0
+                for s in T.serial(num_parts):
+                    w_s[s, j] = T.if_then_else(mx > -T.infinity(f32), T.exp(w_s[s, j] - mx), 0)
+                    total[j] += w_s[s, j]
+            T.clear(acc)
+            for s in T.Pipelined(num_parts, num_stages=3):
+                T.copy(o_part[row, s, hb * HB:(hb + 1) * HB, :], o_s)
+                for j, d in T.Parallel(HB, head_dim):
+                    # an empty slot's o is never written: 0, not 0 * garbage
+                    acc[j, d] += T.if_then_else(w_s[s, j] > 0, w_s[s, j] * T.cast(o_s[j, d], f32), 0)
+            for j, d in T.Parallel(HB, head_dim):
+                out[row, hb * HB + j, d] = T.cast(T.if_then_else(total[j] > 0, acc[j, d] / total[j], 0), dtype)
+
+    return hsa_extend_combine
