@@ -1,7 +1,6 @@
-"""HSAExtendTileLang on the CPU: the plan's decode rows and tiles against the golden's, the union lists and the
-page-major entry lists against loops, the run's glue with the union, page-major and combine kernels' algorithms
-emulated in float64 and the golden's selection (it must give golden.hsa_decode.hsa_extend), the value checks, and
-compile-only builds (the golden itself is checked against the
+"""HSAExtendTileLang on the CPU: the plan's decode rows and tiles against the golden's, the page-major entry lists
+against a loop, the run's glue with the page-major, local and combine kernels' algorithms emulated in float64 and the
+golden's selection (it must give golden.hsa_decode.hsa_extend), the value checks, and compile-only builds (the golden itself is checked against the
 float64 decode definition token by token in test_hsa_decode.py)."""
 
 import math
@@ -9,11 +8,11 @@ import math
 import pytest
 import torch
 
-from golden.hsa_decode import extend_rows, hsa_decode, hsa_extend, local_range, random_case, select_pages
+from golden.hsa_decode import extend_rows, hsa_extend, local_range, random_case, select_pages
 import ops.hsa.decode as decode_module
 import ops.hsa.extend as extend_module
 from ops.hsa import HSAExtendTileLang
-from ops.hsa.extend import page_entries, union_pages, union_tiles
+from ops.hsa.extend import page_entries
 from test_hsa_decode import COMPILE_SPECS  # tests/ is on sys.path under pytest
 
 # the spec of test_hsa_decode.py's COMPILE_SPECS[0]: its kernels are built there
@@ -55,18 +54,17 @@ def _page_attention(spec, qr, k_buffer, v_buffer, chunk_repr, h, pid, keys, sele
     return torch.softmax(s, -1) @ v_buffer[slots, h].double(), logit
 
 
-def _union_emulation(spec, tokens, part):
-    """The union kernel's algorithm for ``spec`` in float64 loops, called as the kernel: per (tile, kv head) the
-    union's selected pages, then the tile's local pages, each merged into every row of a token that takes it by the
-    page's softmax and its merge logit (`_page_attention`); a local page's keys outside the token's [lo, p] are not
-    seen. Writes partial slot ``part``: the normalized output and its log-sum-exp (-inf: nothing)."""
+def _local_emulation(spec, tokens, part):
+    """The local kernel's algorithm for ``spec`` in float64 loops, called as the kernel: per (tile, kv head) the
+    tile's local pages, each merged into every row of a token whose [lo, p] it holds, over those keys only, by the
+    page's softmax and log-sum-exp (`_page_attention`). Writes partial slot ``part``: the normalized output and its
+    log-sum-exp (-inf: nothing)."""
     ps, W, G = spec["page_size"], spec["window_size"], spec["num_heads"] // spec["num_kv_heads"]
 
     def first_local(L):
         return local_range(L, ps, W)[1]
 
-    def kernel(q, k_buffer, v_buffer, page_table, cum, row_lens, tile_req, tile_row0, chunk_repr, pages, masks,
-               counts, o_part, logit_part):
+    def kernel(q, k_buffer, v_buffer, page_table, cum, row_lens, tile_req, tile_row0, o_part, logit_part):
         for t, b in enumerate(tile_req.tolist()):
             if b < 0:
                 continue
@@ -74,23 +72,18 @@ def _union_emulation(spec, tokens, part):
             last = min(row0 + tokens, int(cum[b + 1])) - 1
             local = range(first_local(int(row_lens[row0])) // ps, -(-int(row_lens[last]) // ps))
             for h in range(k_buffer.shape[1]):
-                items = [("sel", int(pages[t, h, u]), int(masks[t, h, u])) for u in range(int(counts[t, h]))]
-                items += [("loc", int(page_table[b, j]), j) for j in local]
                 for i in range(last - row0 + 1):
                     L = int(row_lens[row0 + i])
                     qr = q[row0 + i, h * G:(h + 1) * G].double()
                     m_run = torch.full((G,), -math.inf, dtype=torch.float64)
                     l_run = torch.zeros(G, dtype=torch.float64)
                     acc = torch.zeros(G, q.shape[2], dtype=torch.float64)
-                    for kind, pid, extra in items:
-                        if kind == "sel" and not (extra >> i) & 1:
-                            continue
-                        keys = range(ps) if kind == "sel" else [n for n in range(ps)
-                                                                 if first_local(L) <= extra * ps + n < L]
+                    for j in local:
+                        keys = [n for n in range(ps) if first_local(L) <= j * ps + n < L]
                         if not keys:
                             continue
-                        o_pg, logit = _page_attention(spec, qr, k_buffer, v_buffer, chunk_repr, h, pid, keys,
-                                                      kind == "sel")
+                        o_pg, logit = _page_attention(spec, qr, k_buffer, v_buffer, None, h, int(page_table[b, j]),
+                                                      keys, False)
                         m_new = torch.maximum(m_run, logit)
                         acc = acc * torch.exp(m_run - m_new)[:, None] + torch.exp(logit - m_new)[:, None] * o_pg
                         l_run = l_run * torch.exp(m_run - m_new) + torch.exp(logit - m_new)
@@ -155,33 +148,14 @@ def test_tiles_cover_every_token_once(op, q_lens):
 GLUE_SPECS = [SPEC, {k: v for k, v in COMPILE_SPECS[1].items() if k != "score_config"}]
 
 
-def _decode_stand_in(spec):
-    """The decode op as the golden decode on the given selection, called as the op."""
-    def decode(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, repr_valid, selected_page_ids, out, validate):
-        out.copy_(hsa_decode(q, k_buffer, v_buffer, page_table, seq_lens, chunk_repr, spec["page_size"], spec["topk"],
-                             spec["selection_strategy"], spec["window_size"], spec["combine"], repr_valid,
-                             selected_page_ids=selected_page_ids)[0])
-        return out
-    return decode
-
-
-PATHS = {"by-token": {"page_major": False, "union_max_ratio": 0.0},
-         "mixed": {"page_major": False, "union_max_ratio": 0.5},
-         "by-union": {"page_major": False, "union_max_ratio": 1e9},
-         "page-major": {}}
-
-
 @pytest.mark.compile
-@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("spec", GLUE_SPECS, ids=["G1-softmax", "G4-window-token"])
-def test_run_is_the_golden_extend(spec, path, monkeypatch):
-    """The run's glue (plan, the entry or union lists, the per-tile choice, the kernels' algorithms emulated in
-    float64, the decode as its golden) gives the golden extend: each selected page attended on its own for every
-    token that chose it, the local tokens per tile, merged by the combine (page-major, the default); or a tile's
-    tokens over the union of their pages, each page merged only into the rows that selected it, and the decode over
-    the other tiles' rows. Ragged chunks, a request of no new token, histories below a page and across the window;
-    page-major, every tile by the union, none, and the choice (which here takes both paths)."""
-    op = HSAExtendTileLang(**{**spec, "config": {**spec.get("config", {}), **PATHS[path]}})
+def test_run_is_the_golden_extend(spec, monkeypatch):
+    """The run's glue (plan, the entry lists, the page-major, local and combine kernels' algorithms emulated in
+    float64) gives the golden extend: each selected page attended on its own for every token that chose it, the
+    local tokens per tile, merged per token by the softmax of the slots' logits. Ragged chunks, a request of no new
+    token, histories below a page and across the window."""
+    op = HSAExtendTileLang(**spec)
     H, Hkv, D, ps, topk = (spec[k] for k in ("num_heads", "num_kv_heads", "head_dim", "page_size", "topk"))
     torch.manual_seed(1)
     case = random_case([500, 16, 260, 9], H, Hkv, D, ps, dtype=spec["dtype"], invalid_frac=0.1)
@@ -192,21 +166,10 @@ def test_run_is_the_golden_extend(spec, path, monkeypatch):
     def golden_select(q, chunk_repr, plan, repr_valid=None):
         return select_pages(q, plan.page_table, plan.seq_lens, chunk_repr, ps, topk, repr_valid=repr_valid, **sel)[0]
 
-    monkeypatch.setattr(op, "union_kernel", _union_emulation(spec, op.tile_tokens, topk if path == "page-major" else 0))
-    if path == "page-major":
-        monkeypatch.setattr(op, "pages_kernel", _pages_emulation(spec))
-        monkeypatch.setattr(op, "combine_kernel", _combine_emulation)
-    decode = _decode_stand_in(spec)
-    decode._check_decode = op.decode._check_decode  # run's shape checks
-    monkeypatch.setattr(op, "decode", decode)
+    monkeypatch.setattr(op, "local_kernel", _local_emulation(spec, op.tile_tokens, topk))
+    monkeypatch.setattr(op, "pages_kernel", _pages_emulation(spec))
+    monkeypatch.setattr(op, "combine_kernel", _combine_emulation)
     monkeypatch.setattr(op, "select", golden_select)
-    if path == "mixed":  # the choice takes both paths on this batch
-        plan = op.plan(case["page_table"], case["seq_lens"], cum, q.shape[0], validate=False)
-        ids = golden_select(q, case["chunk_repr"], plan, case["repr_valid"])
-        counts = union_pages(ids, plan.row_tile, plan.row_slot, plan.tile_req.numel(), op.tile_tokens,
-                             plan.page_table.shape[1])[2]
-        by_union = union_tiles(ids, counts, plan.row_tile, plan.tile_req.numel(), 0.5)[plan.tile_req >= 0]
-        assert by_union.any() and not by_union.all()
     o, ids = op(q, case["k_buffer"], case["v_buffer"], case["page_table"], case["seq_lens"], cum, case["chunk_repr"],
                 case["repr_valid"], return_selection=True, validate=False)
     o_ref, ids_ref, _ = hsa_extend(q, case["k_buffer"], case["v_buffer"], case["page_table"], case["seq_lens"], cum,
@@ -215,32 +178,6 @@ def test_run_is_the_golden_extend(spec, path, monkeypatch):
     assert torch.equal(ids, ids_ref)
     # 16-bit outputs of a float64 and a float32 computation
     torch.testing.assert_close(o.float(), o_ref.float(), rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("tokens", [1, 3, 64])
-def test_union_pages_against_a_loop(tokens):
-    """union_pages: per (tile, kv head) the distinct selected pages ascending, a bit per tile token that selected
-    each, the count; -1 entries (no page) never counted."""
-    g = torch.Generator().manual_seed(tokens)
-    R, Hkv, K, max_pages = 150, 3, 5, 40
-    ids = torch.stack([torch.randperm(12, generator=g)[:K] for _ in range(R * Hkv)]).view(R, Hkv, K)
-    ids = torch.where(torch.rand(R, Hkv, K, generator=g) < 0.2, -1, ids).to(torch.int32)  # a row's pages: distinct
-    row_tile = (torch.arange(R) // tokens).to(torch.int32)
-    row_slot = (torch.arange(R) % tokens).to(torch.int32)
-    num_tiles = int(row_tile.max()) + 2  # one spare tile
-    pages, masks, counts = union_pages(ids, row_tile, row_slot, num_tiles, tokens, max_pages)
-    for t in range(num_tiles):
-        for h in range(Hkv):
-            want = {}
-            for r in range(R):
-                if row_tile[r] == t:
-                    for p in set(ids[r, h].tolist()) - {-1}:
-                        want[p] = want.get(p, 0) | (1 << int(row_slot[r]))
-            n = int(counts[t, h])
-            assert n == len(want) and pages[t, h, :n].tolist() == sorted(want)
-            assert [int(m) & ((1 << 64) - 1) for m in masks[t, h, :n]] == [want[p] for p in sorted(want)]
-    assert pages.dtype == counts.dtype == torch.int32 and masks.dtype == torch.int64
 
 
 @pytest.mark.compile
@@ -295,13 +232,13 @@ def test_rejects_bad_types(op):
 @pytest.mark.parametrize("spec", COMPILE_SPECS,
                          ids=lambda s: f"{s['selection_strategy']}G{s['num_heads'] // s['num_kv_heads']}")
 def test_compiles_for_sm90a(spec):
-    """The extend's own kernels (the tiles' score GEMM, the union attention, the page-major attention and its
-    combine); the top-k is the decode's, built in
+    """The extend's own kernels (the tiles' score GEMM, the page-major attention, the local tokens, the combine);
+    the top-k is the decode's, built in
     test_hsa_decode.py."""
     spec = {k: v for k, v in spec.items() if k != "score_config"}  # the decode's score kernel only
     op = HSAExtendTileLang(**spec)
     source = op.score_kernel.get_kernel_source()
     assert "__global__" in source and "wgmma" in source
-    assert "hsa_extend_union" in op.union_kernel.get_kernel_source()
+    assert "hsa_extend_local" in op.local_kernel.get_kernel_source()
     assert "hsa_extend_pages" in op.pages_kernel.get_kernel_source()
     assert "hsa_extend_combine" in op.combine_kernel.get_kernel_source()

@@ -30,17 +30,13 @@ TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=4e-3
 # Selection scores are fp32 dots summed in another order than the golden's: pages whose scores differ by less
 # may swap (scores here are of order 1-10, their rounding errors ~1e-6).
 SCORE_TOL = 1e-4
-# the attention's paths: the default (page-major), and with page_major off the per-tile choice (config
-# union_max_ratio): every tile by the union of its pages, every tile token by token through the decode's kernels
-PATHS = {"default": None, "by-union": 1e9, "by-token": 0.0}
 _OPS = {}
 
 
-def get_op(name, path="default"):
-    if (name, path) not in _OPS:
-        config = None if PATHS[path] is None else {"page_major": False, "union_max_ratio": PATHS[path]}
-        _OPS[name, path] = HSAExtendTileLang(**SPECS[name], config=config)
-    return _OPS[name, path]
+def get_op(name):
+    if name not in _OPS:
+        _OPS[name] = HSAExtendTileLang(**SPECS[name])
+    return _OPS[name]
 
 
 def make_batch(name, seed, invalid_frac=0.1):
@@ -96,10 +92,9 @@ def check_against_golden(name, b, o, ids):
     torch.testing.assert_close(o.float(), o_ref.float(), **TOL[SPECS[name]["dtype"]])
 
 
-@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("name", list(SPECS))
-def test_extend_matches_golden(name, path, poisoned):
-    op, b = get_op(name, path), make_batch(name, seed=1)
+def test_extend_matches_golden(name, poisoned):
+    op, b = get_op(name), make_batch(name, seed=1)
     with poisoned():
         o, ids = op(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], b["cum_seq_lens_q"],
                     b["chunk_repr"], b["repr_valid"], return_selection=True)
@@ -109,7 +104,7 @@ def test_extend_matches_golden(name, path, poisoned):
 def test_one_new_token_is_decode():
     """q_len = 1 for every request: the golden decode's selection (up to near-ties: the extend scores by a GEMM,
     the decode by its own kernel), and the decode op's output on that selection (within the 16-bit tolerance: the
-    extend's union kernel and the decode's split kernel sum in other orders)."""
+    extend's page-major kernels and the decode's split kernel sum in other orders)."""
     name = "head_token"
     torch.manual_seed(2)
     s = SPECS[name]
@@ -142,12 +137,11 @@ def test_cuda_graph_capture_with_validation_off():
     torch.testing.assert_close(out.float(), o_ref.float(), **TOL[SPECS[name]["dtype"]])
 
 
-@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("name", list(SPECS))
-def test_extend_memcheck_shapes(name, path):
+def test_extend_memcheck_shapes(name):
     """Small ragged batches for ``PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python -m pytest
     -m gpu tests/test_hsa_extend_gpu.py -k memcheck``: the last tile of a request short of tokens, a request of no new
-    token, histories below and across the window, every kernel of the selection and of the three attention paths."""
+    token, histories below and across the window, every kernel of the selection and the attention."""
     torch.manual_seed(4)
     s = SPECS[name]
     hist_new = [(0, 3), (70, 0), (700, 19), (90, 1)]
@@ -156,6 +150,6 @@ def test_extend_memcheck_shapes(name, path):
     cum = torch.tensor([0] + [n for _, n in hist_new]).cumsum(0).to(torch.int32).cuda()
     case["q"] = torch.randn(int(cum[-1]), s["num_heads"], s["head_dim"], device="cuda").to(s["dtype"])
     b = dict(case, cum_seq_lens_q=cum)
-    o, ids = get_op(name, path)(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], cum,
+    o, ids = get_op(name)(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], cum,
                                 b["chunk_repr"], b["repr_valid"], return_selection=True)
     check_against_golden(name, b, o, ids)

@@ -5,12 +5,9 @@ token is answered exactly as a decode of its request at its position (``golden.h
 ``plan`` turns the batch into decode rows (each new token's request's page-table row and its decode length p + 1)
 and query tiles (a few consecutive new tokens of one request), on the device with no host sync. ``run`` scores each
 tile's tokens against its request's candidate reprs in one GEMM per (tile, kv head) (``extend_score``), runs the
-decode's top-k over the rows, lists per (tile, kv head) the union of the pages its tokens selected (``union_pages``,
-device ops), and attends each tile one of two ways, chosen on the device (``union_tiles``): where its tokens share
-pages, over that union and its local pages (``extend_union``: a page read once per tile, merged only into the rows
-of the tokens that selected it, which is each token's decode); elsewhere token by token through the decode's split
-kernels. What it still costs beyond that: the page-table rows copied once per token for the top-k
-(docs/design/hsa.md).
+decode's top-k over the rows, then attends page-major: the (token, slot) entries grouped by selected page
+(``page_entries``, device ops), each page read once for all the tokens that chose it (``extend_pages``), the local
+tokens per tile (``extend_local``), and a combine of each token's slots (docs/design/hsa.md).
 """
 
 from __future__ import annotations
@@ -20,20 +17,19 @@ from dataclasses import dataclass
 import torch
 
 from ..common.protocol import Op
-from ..common.validate import check_bool, check_float, check_tensor, check_values
+from ..common.validate import check_bool, check_tensor, check_values
 from ..common.runtime import compile_kernel
 from .decode import BENCH_SPEC, HSADecodeTileLang
 from .kernels.extend_score import extend_tile_tokens, hsa_extend_score_kernel
 from .kernels.extend_pages import hsa_extend_combine_kernel, hsa_extend_pages_kernel
-from .kernels.extend_union import hsa_extend_union_kernel
+from .kernels.extend_local import hsa_extend_local_kernel
 
 
 @dataclass(frozen=True)
 class ExtendPlan:
     """An extend batch (``HSAExtendTileLang.plan``) as decode rows: per new token its request's page-table row
     [total_q, max_pages] and its decode length [total_q]; and as query tiles for the scores and the attention: per
-    tile its request (-1: a spare tile) and first row, per new token its tile and slot in it, with the batch's page
-    table and cum_seq_lens_q (all int32)."""
+    tile its request (-1: a spare tile) and first row, with the batch's page table and cum_seq_lens_q (all int32)."""
     page_table: torch.Tensor
     seq_lens: torch.Tensor
     total_q: int
@@ -41,12 +37,6 @@ class ExtendPlan:
     cum_seq_lens_q: torch.Tensor
     tile_req: torch.Tensor
     tile_row0: torch.Tensor
-    row_tile: torch.Tensor
-    row_slot: torch.Tensor
-
-
-# see union_tiles
-UNION_MAX_RATIO = 0.5
 
 
 class HSAExtendTileLang(Op):
@@ -67,11 +57,8 @@ class HSAExtendTileLang(Op):
 
     @classmethod
     def default_config(cls, spec: dict) -> dict:
-        """The decode's; ``page_major`` (default): the selected pages page by page for all tokens that chose them
-        (`attend_pages`); else per tile (``union_max_ratio``): by the union of its tokens' pages when that union
-        holds fewer than this fraction of their page reads (selected pages, summed over tokens and kv heads), else
-        token by token through the decode's kernels (0: never by the union)."""
-        return {**HSADecodeTileLang.default_config(spec), "union_max_ratio": UNION_MAX_RATIO, "page_major": True}
+        """The decode's (its top-k's)."""
+        return HSADecodeTileLang.default_config(spec)
 
     @classmethod
     def config_space(cls, spec: dict) -> list[dict]:
@@ -81,33 +68,25 @@ class HSAExtendTileLang(Op):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, topk: int,
                  dtype: torch.dtype, selection_strategy: str = "group", window_size: int = 0,
                  combine: str = "softmax", scale: float | None = None, config: dict | None = None):
-        config = dict(config or {})
-        ratio = check_float("config['union_max_ratio']", config.pop("union_max_ratio", UNION_MAX_RATIO), lo=0)
-        page_major = config.pop("page_major", True)
-        check_bool("config['page_major']", page_major)
         self.decode = HSADecodeTileLang(num_heads, num_kv_heads, head_dim, page_size, topk, dtype,
-                                        selection_strategy, window_size, combine, scale, config or None)
+                                        selection_strategy, window_size, combine, scale, config)
         self.dtype, self.spec = dtype, self.decode.spec
-        self.config = {**self.decode.config, "union_max_ratio": ratio, "page_major": page_major}
+        self.config = self.decode.config
         sp = self.spec
         self.tile_tokens = extend_tile_tokens(num_heads, num_kv_heads)
         self.score_kernel = compile_kernel(hsa_extend_score_kernel(
             num_heads, num_kv_heads, head_dim, page_size, sp["dtype"], selection_strategy, window_size, sp["scale"]))
         # As the decode's: without warp specialization, every warp computes, splitting the N of every product
-        # (N = page_size needs >= 8 per warp).
-        # page-major: the union kernel with no union page gives the local tokens' slot, after the topk pages'
-        self.union_kernel = compile_kernel(
-            hsa_extend_union_kernel(num_heads, num_kv_heads, head_dim, page_size, sp["dtype"], window_size, combine,
-                                    sp["scale"], self.tile_tokens, part=topk if page_major else 0,
-                                    threads=32 * min(4, page_size // 8)),
+        # (N = page_size needs >= 8 per warp). The local tokens go to the partial slot after the topk pages'.
+        self.local_kernel = compile_kernel(
+            hsa_extend_local_kernel(num_heads, num_kv_heads, head_dim, page_size, sp["dtype"], window_size,
+                                    sp["scale"], self.tile_tokens, part=topk, threads=32 * min(4, page_size // 8)),
             pass_configs={"tl.disable_warp_specialized": True})
-        if page_major:
-            self.pages_kernel = compile_kernel(hsa_extend_pages_kernel(
-                num_heads, num_kv_heads, head_dim, page_size, topk, sp["dtype"], combine, sp["scale"]))
-            # a plain cp.async pipeline: warp specialization would hold one CTA per SM (240 registers)
-            self.combine_kernel = compile_kernel(hsa_extend_combine_kernel(num_heads, head_dim, topk + 1,
-                                                                           sp["dtype"]),
-                                                 pass_configs={"tl.disable_warp_specialized": True})
+        self.pages_kernel = compile_kernel(hsa_extend_pages_kernel(
+            num_heads, num_kv_heads, head_dim, page_size, topk, sp["dtype"], combine, sp["scale"]))
+        # a plain cp.async pipeline: warp specialization would hold one CTA per SM (240 registers)
+        self.combine_kernel = compile_kernel(hsa_extend_combine_kernel(num_heads, head_dim, topk + 1, sp["dtype"]),
+                                             pass_configs={"tl.disable_warp_specialized": True})
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, cum_seq_lens_q: torch.Tensor, total_q: int,
              num_pages: int | None = None, validate: bool = True) -> ExtendPlan:
@@ -133,10 +112,8 @@ class HSAExtendTileLang(Op):
         req = torch.searchsorted(cum_seq_lens_q[1:], rows, right=True).clamp_(max=max(B - 1, 0))
         pos = seq_lens[req] - q_lens[req] + rows - cum_seq_lens_q[req]
         tile_req, tile_row0 = self.tiles(cum_seq_lens_q, total_q)
-        k = (rows - cum_seq_lens_q[req]).long()  # the token's index among its request's new tokens
-        row_tile = self._request_tiles(cum_seq_lens_q)[1][req] + k // self.tile_tokens
         return ExtendPlan(page_table[req], (pos + 1).to(torch.int32), total_q, page_table, cum_seq_lens_q, tile_req,
-                          tile_row0, row_tile.to(torch.int32), (k % self.tile_tokens).to(torch.int32))
+                          tile_row0)
 
     def tiles(self, cum_seq_lens_q: torch.Tensor, total_q: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The query tiles of the scores, on the device: (request or -1, first row) per tile, request by request,
@@ -144,7 +121,9 @@ class HSAExtendTileLang(Op):
         sync): spare tiles come last, with request -1."""
         B, tokens = cum_seq_lens_q.shape[0] - 1, self.tile_tokens
         bound = (total_q + B * (tokens - 1)) // tokens
-        per_req, first = self._request_tiles(cum_seq_lens_q)
+        q_lens = (cum_seq_lens_q[1:] - cum_seq_lens_q[:-1]).long()
+        per_req = (q_lens + tokens - 1) // tokens  # each request's tiles, its first tile's index
+        first = per_req.cumsum(0) - per_req
         t = torch.arange(bound, device=cum_seq_lens_q.device)
         req = torch.searchsorted(first + per_req, t, right=True)
         real = req < B
@@ -152,15 +131,9 @@ class HSAExtendTileLang(Op):
         row0 = cum_seq_lens_q[req].long() + (t - first[req]) * tokens
         return (torch.where(real, req, -1).to(torch.int32), torch.where(real, row0, 0).to(torch.int32))
 
-    def _request_tiles(self, cum_seq_lens_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per request (int64): its number of query tiles and the index of its first one."""
-        q_lens = (cum_seq_lens_q[1:] - cum_seq_lens_q[:-1]).long()
-        per_req = (q_lens + self.tile_tokens - 1) // self.tile_tokens
-        return per_req, per_req.cumsum(0) - per_req
-
     def run(self, q, k_buffer, v_buffer, chunk_repr, plan: ExtendPlan, repr_valid=None, out=None,
             return_selection: bool = False):
-        """The planned batch (no host sync): the selection, then each tile's attention (`attend`)."""
+        """The planned batch (no host sync): the selection, then the attention (`attend`)."""
         check_bool("return_selection", return_selection)
         if not isinstance(plan, ExtendPlan):
             raise TypeError(f"plan: expected an ExtendPlan (from op.plan), got {type(plan).__name__}")
@@ -173,46 +146,21 @@ class HSAExtendTileLang(Op):
                                   out, validate=False)
         ids = self.select(q, chunk_repr, plan, repr_valid)
         out = torch.empty_like(q) if out is None else out
-        if self.config["page_major"]:
-            self.attend_pages(q, k_buffer, v_buffer, chunk_repr, plan, ids, out)
-        else:
-            self.attend(q, k_buffer, v_buffer, chunk_repr, repr_valid, plan, ids, out)
+        self.attend(q, k_buffer, v_buffer, chunk_repr, plan, ids, out)
         return (out, ids) if return_selection else out
 
-    def attend_pages(self, q, k_buffer, v_buffer, chunk_repr, plan: ExtendPlan, ids, out):
+    def attend(self, q, k_buffer, v_buffer, chunk_repr, plan: ExtendPlan, ids, out):
         """out of the planned batch given its selections, page-major (no host sync): each selected page read once
         for every token that chose it (`page_entries`, ``hsa_extend_pages``) into the tokens' partial slots, the
-        local tokens per tile into the last slot (the union kernel, no union page), then the combine."""
-        sp = self.spec
-        topk, Hkv = sp["topk"], sp["num_kv_heads"]
-        num_tiles, dev = plan.tile_req.numel(), q.device
+        local tokens per tile into the last slot (``hsa_extend_local``), then the combine."""
+        topk, dev = self.spec["topk"], q.device
         o_part = torch.empty(plan.total_q, topk + 1, *q.shape[1:], dtype=q.dtype, device=dev)
         logit_part = torch.full((plan.total_q, topk + 1, q.shape[1]), float("-inf"), device=dev)
         self.pages_kernel(q, k_buffer, v_buffer, chunk_repr, *page_entries(ids, chunk_repr.shape[0]), o_part,
                           logit_part)
-        no_pages = torch.full((num_tiles, Hkv, 1), -1, dtype=torch.int32, device=dev)
-        self.union_kernel(q, k_buffer, v_buffer, plan.request_page_table, plan.cum_seq_lens_q, plan.seq_lens,
-                          plan.tile_req, plan.tile_row0, chunk_repr, no_pages, torch.zeros_like(no_pages, dtype=torch.int64),
-                          torch.zeros(num_tiles, Hkv, dtype=torch.int32, device=dev), o_part, logit_part)
+        self.local_kernel(q, k_buffer, v_buffer, plan.request_page_table, plan.cum_seq_lens_q, plan.seq_lens,
+                          plan.tile_req, plan.tile_row0, o_part, logit_part)
         self.combine_kernel(o_part, logit_part, out)
-
-    def attend(self, q, k_buffer, v_buffer, chunk_repr, repr_valid, plan: ExtendPlan, ids, out):
-        """out of the planned batch given its selections, chosen per tile on the device (no host sync): a tile
-        whose tokens share pages (`union_tiles`) over the union of its tokens' pages, each page read once for the
-        tile; the others token by token through the decode's split kernels, which read each token's pages on their
-        own. The decode runs first over every row, the union tiles' rows reduced to their first key and no
-        selected page, and the union kernel then writes those rows."""
-        num_tiles = plan.tile_req.numel()
-        pages, masks, counts = union_pages(ids, plan.row_tile, plan.row_slot, num_tiles, self.tile_tokens,
-                                           plan.page_table.shape[1])
-        by_union = union_tiles(ids, counts, plan.row_tile, num_tiles, self.config["union_max_ratio"])
-        row_union = by_union[plan.row_tile.long()]
-        self.decode(q, k_buffer, v_buffer, plan.page_table, torch.where(row_union, 1, plan.seq_lens), chunk_repr,
-                    repr_valid, selected_page_ids=ids.masked_fill(row_union[:, None, None], -1), out=out,
-                    validate=False)
-        self.union_kernel(q, k_buffer, v_buffer, plan.request_page_table, plan.cum_seq_lens_q, plan.seq_lens,
-                          torch.where(by_union, plan.tile_req, -1), plan.tile_row0, chunk_repr, pages, masks, counts,
-                          out.unsqueeze(1), torch.empty(plan.total_q, 1, q.shape[1], device=q.device))
 
     def select(self, q, chunk_repr, plan: ExtendPlan, repr_valid=None) -> torch.Tensor:
         """selected_page_ids [total_q, Hkv, topk] of the planned batch: the tiles' scores, then the decode's top-k
@@ -247,45 +195,3 @@ def page_entries(ids: torch.Tensor, num_pages: int):
     key, order = key.sort(stable=True)
     group_start = torch.searchsorted(key, torch.arange(groups + 1, dtype=torch.int32, device=dev), out_int32=True)
     return group_start, (order // (Hkv * K)).to(torch.int32), (order % K).to(torch.int32)
-
-
-def union_tiles(ids: torch.Tensor, counts: torch.Tensor, row_tile: torch.Tensor, num_tiles: int,
-                max_ratio: float) -> torch.Tensor:
-    """bool [num_tiles]: the tiles whose union of pages (``counts`` [num_tiles, Hkv] from `union_pages`) holds
-    fewer than ``max_ratio`` x their tokens' page reads (the selected pages of ids [total_q, Hkv, topk], -1: none).
-    The union kernel runs a page for all of a tile's rows, masked to the tokens that chose it, so it pays only where
-    tokens share pages: at the bench's measured costs (H100) it breaks even near 0.6-0.75 (docs/design/hsa.md)."""
-    reads = torch.zeros(num_tiles, dtype=torch.int64, device=ids.device).index_add_(
-        0, row_tile.long(), (ids >= 0).sum((1, 2)))
-    return counts.sum(1) < max_ratio * reads
-
-
-def union_pages(ids: torch.Tensor, row_tile: torch.Tensor, row_slot: torch.Tensor, num_tiles: int, tokens: int,
-                max_pages: int):
-    """The union of the pages each query tile's tokens selected, per kv head, on the device with no host sync:
-    (pages [num_tiles, Hkv, cap] int32 ascending, -1 past the count; masks [num_tiles, Hkv, cap] int64, bit i set
-    when the tile's token i selected the page; counts [num_tiles, Hkv] int32), cap = min(tokens x topk, max_pages)
-    + 1. ids [total_q, Hkv, topk] int32 (-1: no page); row_tile / row_slot: each row's tile and slot in it."""
-    R, Hkv, K = ids.shape
-    dev = ids.device
-    cap = min(tokens * K, max_pages) + 1
-    none = (1 << 32) - 1  # a missing page sorts last in its segment
-    seg = (row_tile.long()[:, None] * Hkv + torch.arange(Hkv, device=dev)).unsqueeze(-1).expand(R, Hkv, K)
-    idl = ids.long()
-    key, order = ((seg << 32) | torch.where(idl >= 0, idl, none)).reshape(-1).sort()
-    bits = (1 << row_slot.long())[:, None, None].expand(R, Hkv, K).reshape(-1)[order]
-    seg, pid = key >> 32, key & none
-    first = torch.ones_like(key, dtype=torch.bool)
-    first[1:] = key[1:] != key[:-1]
-    uidx = first.cumsum(0) - 1  # the entry's distinct (segment, page) index
-    seg_first = torch.full((num_tiles * Hkv,), key.numel(), device=dev).scatter_reduce_(0, seg, uidx, "amin")
-    pos = uidx - seg_first[seg]
-    valid = pid != none
-    pages = torch.full((num_tiles * Hkv, cap), -1, dtype=torch.int32, device=dev)
-    pages[seg, pos] = torch.where(valid, pid, -1).to(torch.int32)  # a page's entries write the same value
-    masks = torch.zeros(num_tiles * Hkv, cap, dtype=torch.int64, device=dev)
-    masks.index_put_((seg, pos), bits, accumulate=True)  # distinct bits: the sum is the OR
-    counts = torch.zeros(num_tiles * Hkv, dtype=torch.int64, device=dev).scatter_reduce_(
-        0, seg, torch.where(valid, pos + 1, 0), "amax")
-    return (pages.view(num_tiles, Hkv, cap), masks.view(num_tiles, Hkv, cap),
-            counts.view(num_tiles, Hkv).to(torch.int32))

@@ -1,8 +1,7 @@
 """HSA extend: the issue's bench rows (bf16, H=32, Hkv=8, D=128, page 64, topk 64, window 512) against our dense
 paged prefill over the same cache (exact attention over the whole history): (a) 8 requests x 2048 new tokens on
 65536 of history, (b) 4 x 4096 on 524288, (c) 16 ragged requests, new 1..4096, history 0..131072; and (a) again
-with correlated queries. Beside the default (page-major), the per-tile paths forced on every tile (the union kernel,
-the decode token by token), and the selection alone (the scores and the top-k, which every path runs first)."""
+with correlated queries; and the selection alone (the scores and the top-k, which the attention follows)."""
 
 import torch
 
@@ -54,11 +53,6 @@ def bench(b):
     if b.quick:
         rows = [("(a) quick: 2 x 512 new on 8192", [8192] * 2, [512] * 2, None, False)]
     op = HSAExtendTileLang(**SPEC)
-    # the per-tile paths forced, beside the default
-    forced = {"every tile by the union": HSAExtendTileLang(**SPEC, config={"page_major": False,
-                                                                             "union_max_ratio": 1e9}),
-              "every tile token by token": HSAExtendTileLang(**SPEC, config={"page_major": False,
-                                                                               "union_max_ratio": 0.0})}
     dense = PagedAttentionPrefillTileLang(H, HKV, D, PS, torch.bfloat16, kv_layout="NHD")
     for workload, histories, new, speedup, correlated in rows:
         batch = _batch(histories, new, correlated)
@@ -71,9 +65,6 @@ def bench(b):
                                    out=out))
         b.row(OP, workload, "tilelang (run)", ms, bytes=moved, flops=flops, ours=True)
         b.row(OP, workload, "selection alone", b.time(lambda: op.select(batch["q"], batch["chunk_repr"], plan)))
-        for impl, op_forced in forced.items():
-            b.row(OP, workload, impl, b.time(lambda: op_forced.run(batch["q"], batch["k_buffer"], batch["v_buffer"],
-                                                                   batch["chunk_repr"], plan, out=out)))
         k_pages = batch["k_buffer"].view(-1, PS, HKV, D)
         v_pages = batch["v_buffer"].view(-1, PS, HKV, D)
         table = batch["page_table"].clamp(min=0)

@@ -1,6 +1,6 @@
 """What the HSA kernels share: the local window's first token, the selection key's encoding of an fp32 score (a
 sortable unsigned 32-bit key; 0 marks a non-candidate), and the merge of one page into rows' running attention
-state (the decode's and the extend's union kernel's)."""
+state (the decode's and the extend's local kernel's)."""
 
 from types import SimpleNamespace
 

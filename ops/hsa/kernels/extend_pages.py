@@ -11,7 +11,7 @@ A page selected by a token is complete and wholly before its local window, so no
 independent: the result does not depend on how the entries are blocked (deterministic).
 
 `hsa_extend_combine` merges a token's topk + 1 partial slots (the selected pages and the local tokens, written by
-the union kernel) per query head: o = sum_s exp(logit_s - max) o_s / sum_s exp(logit_s - max), 0 when no slot has
+``kernels/extend_local.py``) per query head: o = sum_s exp(logit_s - max) o_s / sum_s exp(logit_s - max), 0 when no slot has
 anything."""
 
 import tilelang.language as T
@@ -22,10 +22,11 @@ ZN = 16  # the z product's N: the page's repr in row 0, zeros below (one mma N t
 
 
 def hsa_extend_pages_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, topk: int,
-                            dtype: str, combine: str, scale: float, block_m: int = 64, threads: int = 128):
+                            dtype: str, combine: str, scale: float, block_m: int = 64, chunk: int = 256,
+                            threads: int = 128):
     """o_part[row, slot, h * G + g] and logit_part[row, slot, h * G + g] of every entry (row, slot) in
     ``entry_row / entry_slot[group_start[h * num_pages + p] : group_start[h * num_pages + p + 1]]``: its
-    token's query heads over page p of kv head h."""
+    token's query heads over page p of kv head h. A group's entries go ``chunk`` at a time through shared memory."""
     G = num_heads // num_kv_heads
     eb = block_m // G  # entries per block of rows: row m is entry m // G, head m % G
     fuse_z = combine == "softmax"
@@ -49,49 +50,56 @@ def hsa_extend_pages_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             v_s = T.alloc_shared((page_size, head_dim), dtype)
             e_s = T.alloc_shared((ZN, head_dim), dtype)
             q_s = T.alloc_shared((block_m, head_dim), dtype)
-            p_s = T.alloc_shared((block_m, page_size), dtype)
             o_s = T.alloc_shared((block_m, head_dim), dtype)
             acc_s = T.alloc_fragment((block_m, page_size), f32)
+            p_f = T.alloc_fragment((block_m, page_size), dtype)  # P as the A operand from registers
             acc_o = T.alloc_fragment((block_m, head_dim), f32)
             z = T.alloc_fragment((block_m, ZN), f32)
             z_row = T.alloc_fragment((block_m,), f32)
             m_pg = T.alloc_fragment((block_m,), f32)
             l_pg = T.alloc_fragment((block_m,), f32)
+            rows_s = T.alloc_shared((chunk,), "int32")  # the chunk's entries (plain loads: a gather's index
+            slots_s = T.alloc_shared((chunk,), "int32")  # must not come from an async copy still in flight)
             e0 = group_start[h * num_pages + p]
-            e1 = group_start[h * num_pages + p + 1]
-            if e1 > e0:
+            n = group_start[h * num_pages + p + 1] - e0
+            if n > 0:
                 T.copy(k_buffer[p * page_size:(p + 1) * page_size, h, :], k_s)
                 T.copy(v_buffer[p * page_size:(p + 1) * page_size, h, :], v_s)
                 if fuse_z:
                     for r, d in T.Parallel(ZN, head_dim):
                         e_s[r, d] = T.if_then_else(r == 0, chunk_repr[p, h, d], T.cast(0, dtype))
-                for it in T.Pipelined(T.ceildiv(e1 - e0, eb), num_stages=1):
-                    # the block's query rows, gathered (the next block's while this one computes); the entry
-                    # indices are plain loads (an index from an async copy would be read before it lands)
-                    for m, d in T.Parallel(block_m, head_dim):
-                        q_s[m, d] = q[entry_row[T.min(e0 + it * eb + m // G, e1 - 1)], h * G + m % G, d]
-                    T.gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    if fuse_z:
-                        T.gemm(q_s, e_s, z, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                        T.reduce_sum(z, z_row, dim=1)  # column 0 (the others are 0: exact)
-                    T.reduce_max(acc_s, m_pg, dim=1)
-                    for m, n in T.Parallel(block_m, page_size):
-                        acc_s[m, n] = T.exp2((acc_s[m, n] - m_pg[m]) * unit)
-                    T.reduce_sum(acc_s, l_pg, dim=1)
-                    T.copy(acc_s, p_s)
-                    T.gemm(p_s, v_s, acc_o, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    for m, d in T.Parallel(block_m, head_dim):
-                        o_s[m, d] = T.cast(acc_o[m, d] / l_pg[m], dtype)
-                    for m in T.Parallel(block_m):
-                        e = e0 + it * eb + m // G
-                        if e < e1:
-                            # natural units, as the combine's
-                            logit_part[entry_row[e], entry_slot[e], h * G + m % G] = (
-                                z_row[m] * scale if fuse_z else m_pg[m] * scale + T.log(l_pg[m]))
-                    for m, d in T.Parallel(block_m, head_dim):
-                        e = e0 + it * eb + m // G
-                        if e < e1:
-                            o_part[entry_row[e], entry_slot[e], h * G + m % G, d] = o_s[m, d]
+                for c in T.serial(T.ceildiv(n, chunk)):
+                    c0 = c * chunk
+                    nc = T.min(n - c0, chunk)
+                    for i in T.Parallel(chunk):
+                        rows_s[i] = entry_row[e0 + c0 + T.min(i, nc - 1)]
+                        slots_s[i] = entry_slot[e0 + c0 + T.min(i, nc - 1)]
+                    for it in T.Pipelined(T.ceildiv(nc, eb), num_stages=1):
+                        # the block's query rows, gathered (the next block's while this one computes)
+                        for m, d in T.Parallel(block_m, head_dim):
+                            q_s[m, d] = q[rows_s[T.min(it * eb + m // G, nc - 1)], h * G + m % G, d]
+                        T.gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        if fuse_z:
+                            T.gemm(q_s, e_s, z, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                            T.reduce_sum(z, z_row, dim=1)  # column 0 (the others are 0: exact)
+                        T.reduce_max(acc_s, m_pg, dim=1)
+                        for m, j in T.Parallel(block_m, page_size):
+                            acc_s[m, j] = T.exp2((acc_s[m, j] - m_pg[m]) * unit)
+                        T.reduce_sum(acc_s, l_pg, dim=1)
+                        T.copy(acc_s, p_f)
+                        T.gemm(p_f, v_s, acc_o, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        for m, d in T.Parallel(block_m, head_dim):
+                            o_s[m, d] = T.cast(acc_o[m, d] / l_pg[m], dtype)
+                        for m in T.Parallel(block_m):
+                            i = it * eb + m // G
+                            if i < nc:
+                                # natural units, as the combine's
+                                logit_part[rows_s[i], slots_s[i], h * G + m % G] = (
+                                    z_row[m] * scale if fuse_z else m_pg[m] * scale + T.log(l_pg[m]))
+                        for m, d in T.Parallel(block_m, head_dim):
+                            i = it * eb + m // G
+                            if i < nc:
+                                o_part[rows_s[i], slots_s[i], h * G + m % G, d] = o_s[m, d]
 
     return hsa_extend_pages
 
