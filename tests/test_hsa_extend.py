@@ -183,10 +183,10 @@ def test_run_is_the_golden_extend(spec, monkeypatch):
 @pytest.mark.compile
 def test_page_entries_against_a_loop():
     """page_entries: group h * num_pages + p lists the (row, slot) entries that selected page p for kv head h, rows
-    ascending; -1 entries (no page) in no group, after the last."""
+    ascending; -1 entries (no page) in no group, after the last; pages no row selected: empty groups."""
     g = torch.Generator().manual_seed(0)
     R, Hkv, K, num_pages = 90, 3, 5, 12
-    ids = torch.stack([torch.randperm(num_pages, generator=g)[:K] for _ in range(R * Hkv)]).view(R, Hkv, K)
+    ids = torch.stack([torch.randperm(num_pages - 2, generator=g)[:K] for _ in range(R * Hkv)]).view(R, Hkv, K)
     ids = torch.where(torch.rand(R, Hkv, K, generator=g) < 0.2, -1, ids).to(torch.int32)
     start, row, slot = page_entries(ids, num_pages)
     assert start.dtype == row.dtype == slot.dtype == torch.int32 and start.numel() == Hkv * num_pages + 1

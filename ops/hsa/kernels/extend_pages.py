@@ -50,7 +50,8 @@ def hsa_extend_pages_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             v_s = T.alloc_shared((page_size, head_dim), dtype)
             e_s = T.alloc_shared((ZN, head_dim), dtype)
             q_s = T.alloc_shared((block_m, head_dim), dtype)
-            o_s = T.alloc_shared((block_m, head_dim), dtype)
+            # padded rows: the accumulator's stores of 8 rows at a time land in distinct banks
+            o_s = T.alloc_shared((block_m, head_dim + 8), dtype)
             acc_s = T.alloc_fragment((block_m, page_size), f32)
             p_f = T.alloc_fragment((block_m, page_size), dtype)  # P as the A operand from registers
             acc_o = T.alloc_fragment((block_m, head_dim), f32)

@@ -49,7 +49,8 @@ def hsa_extend_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             q_s = T.alloc_shared((M, head_dim), dtype)
             r_s = T.alloc_shared((block_pages, head_dim), dtype)
             s_f = T.alloc_fragment((M, block_pages), f32)
-            s_s = T.alloc_shared((M, block_pages), f32)
+            # padded rows: the accumulator's stores of 8 rows at a time spread over the banks (2 wavefronts, not 8)
+            s_s = T.alloc_shared((M, block_pages + 4), f32)
             cands = T.alloc_shared((tokens,), "int32")  # per token of the tile: its candidate count (0 past the end)
             # the chunk's page ids and valid bits by plain loads (a gather's index must not come from an async copy
             # still in flight); 0 past the candidates, never used
@@ -77,7 +78,7 @@ def hsa_extend_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                         for j, d in T.Parallel(block_pages, head_dim):
                             r_s[j, d] = chunk_repr[pids[j0 + j], h, d]
                         T.gemm(q_s, r_s, s_f, transpose_B=True, clear_accum=True)
-                        T.copy(s_f, s_s)
+                        T.copy(s_f, s_s[:, :block_pages])
                         for i, j in T.Parallel(tokens, block_pages):
                             if c0 + j0 + j < cands[i]:
                                 dots = [s_s[i * G + g, j] for g in range(G)]
