@@ -36,9 +36,20 @@ def _at(x, g):
     return x[g] if isinstance(x, Buffer) else x
 
 
-def merge_state(acc_s, p_s, acc_o, m_run, l_run, m_pg, l_pg, alpha, weight):
-    """The buffers of `page_merge`: the page's scores and P (acc_s; p_s in shared memory, every warp needs all
-    rows), the running output, max and sum, the page's max and sum, and the rescale and weight per row."""
+@T.macro
+def alloc_merge_state(rows: int, page_size: int, head_dim: int, dtype: str):
+    """The buffers of `page_merge` for ``rows`` query rows, allocated in the calling kernel: the page's scores and
+    P (acc_s; p_s in shared memory, every warp needs all rows), the running output, max and sum of merge logits
+    (acc_o, m_run, l_run), the page's max and sum (m_pg, l_pg), and the rescale and weight per row."""
+    acc_s = T.alloc_fragment((rows, page_size), "float32")
+    p_s = T.alloc_shared((rows, page_size), dtype)
+    acc_o = T.alloc_fragment((rows, head_dim), "float32")
+    m_run = T.alloc_fragment((rows,), "float32")
+    l_run = T.alloc_fragment((rows,), "float32")
+    m_pg = T.alloc_fragment((rows,), "float32")
+    l_pg = T.alloc_fragment((rows,), "float32")
+    alpha = T.alloc_fragment((rows,), "float32")
+    weight = T.alloc_fragment((rows,), "float32")
     return SimpleNamespace(acc_s=acc_s, p_s=p_s, acc_o=acc_o, m_run=m_run, l_run=l_run, m_pg=m_pg, l_pg=l_pg,
                            alpha=alpha, weight=weight)
 

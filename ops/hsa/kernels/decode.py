@@ -5,7 +5,7 @@ import tilelang.language as T
 
 from ...common.hw import LOG2E
 from ..schedule import QROWS_DECODE, ZCOLS
-from .common import first_local, merge_state, page_merge
+from .common import alloc_merge_state, first_local, page_merge
 
 
 def hsa_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, topk: int,
@@ -41,16 +41,7 @@ def hsa_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
             e_s = T.alloc_shared((ZCOLS, head_dim), dtype)
             z_s = T.alloc_shared((GM, ZCOLS), f32)
             z = T.alloc_fragment((GM, ZCOLS), f32)
-            acc_s = T.alloc_fragment((GM, page_size), f32)
-            p_s = T.alloc_shared((GM, page_size), dtype)  # P via shared: every warp needs all of its rows
-            acc_o = T.alloc_fragment((GM, head_dim), f32)
-            m_run = T.alloc_fragment((GM,), f32)  # running max of merge logits
-            l_run = T.alloc_fragment((GM,), f32)  # running sum of exp(merge logit - m_run)
-            m_pg = T.alloc_fragment((GM,), f32)
-            l_pg = T.alloc_fragment((GM,), f32)
-            alpha = T.alloc_fragment((GM,), f32)
-            weight = T.alloc_fragment((GM,), f32)
-            st = merge_state(acc_s, p_s, acc_o, m_run, l_run, m_pg, l_pg, alpha, weight)
+            st = alloc_merge_state(GM, page_size, head_dim, dtype)
             L = seq_lens[b]
             lo = first_local(L, page_size, window_size)
             p0 = lo // page_size
@@ -63,9 +54,9 @@ def hsa_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
 
             for g, d in T.Parallel(GM, head_dim):
                 q_s[g, d] = T.if_then_else(g < G, q[b, h * G + T.min(g, G - 1), d], T.cast(0, dtype))
-            T.clear(acc_o)
-            T.fill(m_run, -T.infinity(f32))
-            T.clear(l_run)
+            T.clear(st.acc_o)
+            T.fill(st.m_run, -T.infinity(f32))
+            T.clear(st.l_run)
             if fuse_z:
                 for r, d in T.Parallel(ZCOLS, head_dim):
                     e_s[r, d] = T.cast(0, dtype)
@@ -95,11 +86,12 @@ def hsa_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
 
             for g, d in T.Parallel(GM, head_dim):
                 if g < G:
-                    o_part[b, h * G + g, sp, d] = T.if_then_else(l_run[g] > 0, acc_o[g, d] / l_run[g], 0)
+                    o_part[b, h * G + g, sp, d] = T.if_then_else(st.l_run[g] > 0, st.acc_o[g, d] / st.l_run[g],
+                                                                 0)
             for g in T.Parallel(GM):
                 if g < G:
                     lse_part[b, h * G + g, sp] = T.if_then_else(
-                        l_run[g] > 0, (m_run[g] + T.log2(l_run[g])) / LOG2E, -T.infinity(f32))
+                        st.l_run[g] > 0, (st.m_run[g] + T.log2(st.l_run[g])) / LOG2E, -T.infinity(f32))
 
     return hsa_decode
 

@@ -12,7 +12,7 @@ Rows past the request's end repeat its last token and are not written."""
 import tilelang.language as T
 
 from ...common.hw import LOG2E, SMEM_PER_SM
-from .common import first_local, merge_state, page_merge
+from .common import alloc_merge_state, first_local, page_merge
 
 
 def local_ctas_per_sm(rows: int, head_dim: int, page_size: int, dtype: str, most: int = 3) -> int:
@@ -52,16 +52,7 @@ def hsa_extend_local_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             q_s = T.alloc_shared((M, head_dim), dtype)
             k_s = T.alloc_shared((page_size, head_dim), dtype)
             v_s = T.alloc_shared((page_size, head_dim), dtype)
-            acc_s = T.alloc_fragment((M, page_size), f32)
-            p_s = T.alloc_shared((M, page_size), dtype)  # P via shared: every warp needs all of its rows
-            acc_o = T.alloc_fragment((M, head_dim), f32)
-            m_run = T.alloc_fragment((M,), f32)  # running max of the pages' log-sum-exps
-            l_run = T.alloc_fragment((M,), f32)  # running sum of exp2(lse - m_run)
-            m_pg = T.alloc_fragment((M,), f32)
-            l_pg = T.alloc_fragment((M,), f32)
-            alpha = T.alloc_fragment((M,), f32)
-            weight = T.alloc_fragment((M,), f32)
-            st = merge_state(acc_s, p_s, acc_o, m_run, l_run, m_pg, l_pg, alpha, weight)
+            st = alloc_merge_state(M, page_size, head_dim, dtype)
             row_lo = T.alloc_fragment((M,), "int32")  # the page's keys [row_lo, row_hi) the row sees
             row_hi = T.alloc_fragment((M,), "int32")
             tok_len = T.alloc_shared((tokens,), "int32")  # per token: its decode length p + 1 (0 past the end)
@@ -74,9 +65,9 @@ def hsa_extend_local_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                 for m, d in T.Parallel(M, head_dim):  # rows past the request's end repeat its last token
                     q_s[m, d] = q[T.min(row0 + m // G, last), h * G + m % G, d]
                 pl0 = first_local(row_lens[row0], page_size, window_size) // page_size
-                T.clear(acc_o)
-                T.fill(m_run, -T.infinity(f32))
-                T.clear(l_run)
+                T.clear(st.acc_o)
+                T.fill(st.m_run, -T.infinity(f32))
+                T.clear(st.l_run)
                 for it in T.Pipelined(T.ceildiv(row_lens[last], page_size) - pl0, num_stages=1):
                     j = pl0 + it  # the logical page
                     pid = page_table[b, T.min(j, max_pages - 1)]
@@ -95,10 +86,10 @@ def hsa_extend_local_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                 for m, d in T.Parallel(M, head_dim):
                     if row0 + m // G <= last:
                         o_part[row0 + m // G, part, h * G + m % G, d] = T.cast(
-                            T.if_then_else(l_run[m] > 0, acc_o[m, d] / l_run[m], 0), dtype)
+                            T.if_then_else(st.l_run[m] > 0, st.acc_o[m, d] / st.l_run[m], 0), dtype)
                 for m in T.Parallel(M):
                     if row0 + m // G <= last:
                         logit_part[row0 + m // G, part, h * G + m % G] = T.if_then_else(
-                            l_run[m] > 0, (m_run[m] + T.log2(l_run[m])) / LOG2E, -T.infinity(f32))
+                            st.l_run[m] > 0, (st.m_run[m] + T.log2(st.l_run[m])) / LOG2E, -T.infinity(f32))
 
     return hsa_extend_local
