@@ -54,7 +54,8 @@ class HSAExtendTileLang(Op):
 
     Workspace per call: the partial slots, total_q x (topk + 1) x num_heads x (2 x head_dim + 4) bytes (16-bit
     outputs and fp32 logits; 8.7 GB for 16384 new tokens at H = 32, D = 128, topk = 64), the selection keys
-    (total_q x num_kv_heads x max_pages x 4 bytes) and the entry lists and their sort (~total_q x num_kv_heads x topk x 24 bytes)."""
+    (total_q x num_kv_heads x max_pages x 4 bytes) and the entry lists and their sort (~total_q x num_kv_heads x
+    topk x 24 bytes)."""
 
     op_name = "hsa_extend"
     warm_specs = (BENCH_SPEC,)

@@ -11,8 +11,8 @@ A page selected by a token is complete and wholly before its local window, so no
 independent: the result does not depend on how the entries are blocked (deterministic).
 
 `hsa_extend_combine` merges a token's topk + 1 partial slots (the selected pages and the local tokens, written by
-``kernels/extend_local.py``) per query head: o = sum_s exp(logit_s - max) o_s / sum_s exp(logit_s - max), 0 when no slot has
-anything."""
+``kernels/extend_local.py``) per query head: o = sum_s exp(logit_s - max) o_s / sum_s exp(logit_s - max), 0 when no
+slot has anything."""
 
 import tilelang.language as T
 

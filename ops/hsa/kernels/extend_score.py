@@ -5,10 +5,10 @@ the decode's top-k and attention kernels run on them unchanged.
 A tile is `tokens` consecutive new tokens of one request, its rows (token, query head of the kv head's group)
 stacked into M = tokens * G. Per step of `block_pages` candidate pages the CTA gathers their reprs (one row of
 head_dim per page, through the request's page table, whose ids and the reprs' valid bits are staged `chunk` pages at
-a time; the next step's reprs are gathered during this one's scores and keys) and multiplies: the G per-head dots of a
-token are exact products of its 16-bit query and the repr, summed in fp32 (the group strategy's score, sum_g q_g . r
-= (sum_g q_g) . r, without rounding the summed query to 16 bits) or maxed (the head strategy's). Every token of the tile walks the
-candidates of its last one (the most); a token's own count masks the rest."""
+a time; the next step's reprs are gathered during this one's scores and keys) and multiplies: the G per-head dots of
+a token are exact products of its 16-bit query and the repr, summed in fp32 (the group strategy's score,
+sum_g q_g . r = (sum_g q_g) . r, without rounding the summed query to 16 bits) or maxed (the head strategy's). Every
+token of the tile walks the candidates of its last one (the most); a token's own count masks the rest."""
 
 import tilelang.language as T
 
