@@ -12,6 +12,7 @@ from golden.htree import apply_rope, build_tree, htree_forward, num_layers, pack
 from ops.common.protocol import Op, op_class
 from ops.common.runtime import compile_kernel
 from ops.htree import HTreeBackwardTileLang, HTreeForwardTileLang, htree_attention
+from ops.htree.backward import top_dk_finish, top_operands
 from ops.htree.bwd_index import candidate_counts, parent_lists, slab_index
 from ops.htree.kernels.bwd_rows16 import htree_bwd_rows16_kernel, uses_rows16
 from ops.htree.tree import nodes_to_positions, positions_to_nodes
@@ -172,6 +173,42 @@ def _unrotate(x, cos, sin):
     return torch.cat([lo * cos + hi * sin, hi * cos - lo * sin], dim=-1)
 
 
+def test_top_operands_planes():
+    """The top layer's operand planes: 16-bit K as it is and V per kv head; fp32 a TF32 high part (low 13 mantissa
+    bits clear) and a remainder that add up to the value exactly."""
+    g = torch.Generator().manual_seed(3)
+    B, Hkv, NT, NV, K, V, off = 2, 3, 5, 9, 8, 6, 4
+    for dtype in (torch.bfloat16, torch.float32):
+        top_k = torch.randn(B, Hkv, NT, K, generator=g).to(dtype)
+        top_v = torch.randn(B, NV, Hkv, V, generator=g).to(dtype)
+        ks, vs = top_operands(top_k, top_v, off, dtype)
+        want_v = top_v[:, off:off + NT].transpose(1, 2)
+        if dtype == torch.float32:
+            assert ks.shape == (2, B, Hkv, NT, K) and vs.shape == (2, B, Hkv, NT, V)
+            for planes, x in ((ks, top_k), (vs, want_v)):
+                assert ((planes[0].view(torch.int32) & 8191) == 0).all()
+                assert torch.equal(planes[0] + planes[1], x)
+        else:
+            assert torch.equal(ks[0], top_k) and torch.equal(vs[0], want_v) and vs.is_contiguous()
+
+
+def test_top_dk_finish_undoes_the_node_frame():
+    """top_dk_finish turns rows accumulated in the node's rotated frame, log2 domain (dK R_node log2(e)) back to
+    dK, in place, and leaves the other rows alone."""
+    g = torch.Generator().manual_seed(4)
+    B, NA, Hkv, K, off, NT = 2, 12, 3, 16, 5, 6
+    cos, sin = rope_tables(K, 64, 10000.0, torch.float64)  # orthogonal to fp64 rounding
+    dk = torch.randn(B, NT, Hkv, K, generator=g, dtype=torch.float64)
+    c, s_ = cos[:NT, None, :], sin[:NT, None, :]
+    x, y = dk[..., :K // 2], dk[..., K // 2:]
+    acc = torch.randn(B, NA, Hkv, K, generator=g, dtype=torch.float64)
+    before = acc.clone()
+    acc[:, off:off + NT] = torch.cat((x * c - y * s_, x * s_ + y * c), -1) * math.log2(math.e)
+    top_dk_finish(acc, off, NT, c[:, 0], s_[:, 0])
+    assert torch.allclose(acc[:, off:off + NT], dk, rtol=1e-12, atol=1e-12)
+    assert torch.equal(acc[:, :off], before[:, :off]) and torch.equal(acc[:, off + NT:], before[:, off + NT:])
+
+
 def emulate_backward(do, q, k, v, o, lse, sel, r, top_k, max_top, slab, rope_base=10000.0, child_frame=False):
     """dq, dk, dv the way the kernels compute them (float64 loops): per slab the host index (slab_index,
     parent_lists), the top layer's dq and dK/dV, the lower layers' dq per row and dK/dV per parent's children from
@@ -330,8 +367,8 @@ def test_backward_protocol():
                         (64, 32, "float16", 32)):
         cfg = HTreeBackwardTileLang.default_config(dict(num_heads=16, num_kv_heads=1, head_dim=K, v_head_dim=V,
                                                         compression_rate=r, dtype=dt))
-        assert set(cfg) == {"top_dq_block_m", "top_dq_block_n", "top_dkv_block_n", "top_dkv_block_m",
-                            "rows_block_n", "nodes_block_m"}
+        assert set(cfg) == {"top_dq_block_m", "top_dq_block_n", "top_dkv_block_n", "top_dkv_block_m", "top_stages",
+                            "top_threads", "rows_block_n", "nodes_block_m"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -390,7 +427,7 @@ def test_backward_compiles_for_sm90a(bwd_op):
     kernels = bwd_op.kernels()
     assert all(kernel is not None for kernel in kernels.values())
     rows16 = uses_rows16(str(bwd_op.dtype)[6:], bwd_op.compression_rate)  # (b): the rows kernel from fragments
-    assert len(kernels) == 9 + rows16 and ("rope_child" in kernels) == rows16
+    assert len(kernels) == 10 + rows16 and ("rope_child" in kernels) == rows16
 
 
 @pytest.mark.compile

@@ -154,12 +154,23 @@ def compile_kernel(prim_func, out_idx=None, pass_configs: dict | None = None):
     return kernel
 
 
+# pass configs of a kernel whose software pipeline runs in its own threads (no producer warps): for kernels that
+# need several CTAs per SM, or whose copies are not all TMA
+NO_WARP_SPECIALIZATION = {"tl.disable_warp_specialized": True}
+
+
 def compile_kernels(*prim_funcs, pass_configs: dict | None = None) -> list:
     """``compile_kernel`` of each function, built concurrently (TileLang's lowering releases the GIL and nvcc runs
-    as a subprocess), in order: an op with many kernels builds in about the time of its slowest one."""
+    as a subprocess), in order: an op with many kernels builds in about the time of its slowest one. An item may be
+    a (function, its own pass configs) pair."""
     workers = max(1, min(len(prim_funcs), len(os.sched_getaffinity(0))))
+
+    def build(item):
+        func, configs = item if isinstance(item, tuple) else (item, pass_configs)
+        return compile_kernel(func, pass_configs=configs)
+
     with concurrent.futures.ThreadPoolExecutor(workers, "llm-tile-ops-build") as pool:
-        return list(pool.map(lambda f: compile_kernel(f, pass_configs=pass_configs), prim_funcs))
+        return list(pool.map(build, prim_funcs))
 
 
 # ----------------------------------------------------------------------------- tuned configs

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..common.protocol import Op
-from ..common.runtime import compile_kernel, resolve_config, sm_count
+from ..common.runtime import NO_WARP_SPECIALIZATION, compile_kernel, resolve_config, sm_count
 from ..common.validate import (check_bool, check_choice, check_int, check_scale, check_tensor, check_values,
                                dtype_name)
 from . import schedule
@@ -108,7 +108,7 @@ class HSADecodeTileLang(Op):
         self.decode_kernel = compile_kernel(
             hsa_decode_kernel(num_heads, num_kv_heads, head_dim, page_size, topk, sp["dtype"], window_size,
                               combine, scale),
-            pass_configs={"tl.disable_warp_specialized": True})
+            pass_configs=NO_WARP_SPECIALIZATION)
         self.combine_kernel = compile_kernel(hsa_combine_kernel(num_heads, head_dim, sp["dtype"]))
         self._all_valid = {}  # device -> uint8 ones, the repr_valid of calls without one
 

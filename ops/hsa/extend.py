@@ -18,7 +18,7 @@ import torch
 
 from ..common.protocol import Op
 from ..common.validate import check_bool, check_tensor, check_values
-from ..common.runtime import compile_kernel
+from ..common.runtime import NO_WARP_SPECIALIZATION, compile_kernel
 from .decode import BENCH_SPEC, HSADecodeTileLang
 from .kernels.extend_score import extend_tile_tokens, hsa_extend_score_kernel
 from .kernels.extend_pages import hsa_extend_combine_kernel, hsa_extend_pages_kernel
@@ -86,12 +86,12 @@ class HSAExtendTileLang(Op):
         self.local_kernel = compile_kernel(
             hsa_extend_local_kernel(num_heads, num_kv_heads, head_dim, page_size, sp["dtype"], window_size,
                                     sp["scale"], self.tile_tokens, part=topk, threads=32 * min(4, page_size // 8)),
-            pass_configs={"tl.disable_warp_specialized": True})
+            pass_configs=NO_WARP_SPECIALIZATION)
         self.pages_kernel = compile_kernel(hsa_extend_pages_kernel(
             num_heads, num_kv_heads, head_dim, page_size, topk, sp["dtype"], combine, sp["scale"]))
         # a plain cp.async pipeline: warp specialization would hold one CTA per SM (240 registers)
         self.combine_kernel = compile_kernel(hsa_extend_combine_kernel(num_heads, head_dim, topk + 1, sp["dtype"]),
-                                             pass_configs={"tl.disable_warp_specialized": True})
+                                             pass_configs=NO_WARP_SPECIALIZATION)
 
     def plan(self, page_table: torch.Tensor, seq_lens: torch.Tensor, cum_seq_lens_q: torch.Tensor, total_q: int,
              num_pages: int | None = None, validate: bool = True) -> ExtendPlan:

@@ -35,26 +35,55 @@ import math
 import torch
 
 from ..common.protocol import Op
-from ..common.runtime import compile_kernels, resolve_config
+from ..common.runtime import NO_WARP_SPECIALIZATION, compile_kernels, resolve_config
 from ..common.validate import check_bool, check_tensor, check_values
 from .bwd_index import parent_lists, slab_index
 from .forward import set_spec
 from .kernels.bwd_nodes import LIST_SLOT_BITS, children_tile, htree_bwd_nodes_kernel
 from .kernels.bwd_rows import htree_bwd_rows_kernel
 from .kernels.bwd_rows16 import htree_bwd_rows16_kernel, uses_rows16
-from .kernels.bwd_top import htree_bwd_top_dkv_kernel, htree_bwd_top_dq_kernel
+from .kernels.bwd_common import FLAG_PAD, LN2, unrotate
+from .kernels.bwd_top import (htree_bwd_top_dkv_kernel, htree_bwd_top_dq_kernel, htree_bwd_top_rows_kernel,
+                               operand_parts)
 from .kernels.bwd_tree import htree_bwd_delta_kernel, htree_bwd_unpool_kernel
 from .kernels.pool_rope import htree_pool_kernel, htree_rope_kernel
 from .tree import build_tree, layer_sizes, pack_bits, rope_tables
 
 _SMEM = 200 * 1024  # what the tile choices below let a CTA's operand tiles take
-_REGS = 96  # fp32 accumulator registers per thread the tile choices allow (128 threads; ptxas then reports 137-155
-# registers for the bench's (b) kernels, no spills)
+_SMEM_WS = 216 * 1024  # a warp-specialized top kernel's tiles (one CTA per SM)
 
 
 def _operand_bytes(dtype: str) -> int:
     """Shared bytes of one operand element: 16-bit, or fp32 as two TF32 halves."""
     return 8 if dtype == "float32" else 2
+
+
+def top_operands(top_k: torch.Tensor, top_v: torch.Tensor, top_off: int, dtype: torch.dtype):
+    """The top layer's rotated K [B, Hkv, NT, K] and V (rows top_off .. top_off + NT - 1 of [B, NV, Hkv, V]) as
+    [P, B, Hkv, NT, .] operand planes (fp32: the TF32 high part, bitwise as the kernels' ``tf32_hi``, and the
+    remainder)."""
+    nt = top_k.shape[2]
+    v = top_v[:, top_off:top_off + nt].transpose(1, 2)
+    if dtype != torch.float32:
+        return top_k.unsqueeze(0), v.contiguous().unsqueeze(0)
+
+    def planes(x):
+        hi = (x.contiguous().view(torch.int32) & -8192).view(torch.float32)
+        return torch.stack((hi, x - hi))
+
+    return planes(top_k), planes(v)
+
+
+def top_dk_finish(acc_k: torch.Tensor, acc_off: int, num_nodes: int, cos: torch.Tensor, sin: torch.Tensor):
+    """The top layer's accumulated dK rows (``htree_bwd_top_dkv_kernel``: the node's rotated frame, log2 domain)
+    rotated back at the node's index and scaled by ln(2), in place."""
+    a = acc_k[:, acc_off:acc_off + num_nodes]
+    half = a.shape[-1] // 2
+    c, s = cos[:num_nodes, None, :], sin[:num_nodes, None, :]
+    x, y = a[..., :half].clone(), a[..., half:].clone()
+    lo, hi = unrotate(x, y, c, s)
+    a[..., :half] = lo * LN2
+    a[..., half:] = hi * LN2
 
 
 class HTreeBackwardTileLang(Op):
@@ -75,18 +104,27 @@ class HTreeBackwardTileLang(Op):
 
     @classmethod
     def default_config(cls, spec: dict) -> dict:
-        """Tile sizes from a shared-memory and register model (the largest that fit, see ``_SMEM`` / ``_REGS``):
-        the top layer's dq (rows, nodes per chunk), dK/dV (nodes, rows), the rows kernel's chunk, the nodes kernel's
-        rows per block."""
+        """Tile sizes from a shared-memory model (the largest that fit, see ``_SMEM``):
+        the top layer's rows and nodes per block and pipeline stages (both products), the rows kernel's chunk, the
+        nodes kernel's rows per block."""
         K, V, e = spec["head_dim"], spec["v_head_dim"], _operand_bytes(spec["dtype"])
-        regs = _REGS // (2 if spec["dtype"] == "float32" else 1)  # fp32: the products' split operands take as many
-        top_dq = next(((bm, bn) for bm, bn in ((64, 64), (64, 32), (32, 32))
-                       if ((bm + bn) * (K + V) + bm * bn) * e + 4 * bm * K <= _SMEM
-                       and bm * (2 * bn + K) // 128 <= regs),
-                      (16, 32))
-        top_dkv = next(((bn, bm) for bn, bm in ((32, 64), (16, 64), (16, 32))
-                        if ((bn + bm) * (K + V) + 2 * bn * bm) * e + 4 * bn * K + 8 * bm <= _SMEM
-                        and bn * (2 * bm + K + V) // 128 <= regs * 2 // 3), (16, 16))
+        # the top layer's two products: a row (dq) or node (dK/dV) tile, the other side streamed through a software
+        # pipeline; 16-bit: two consumer warpgroups beside a producer (TMA, two stages), fp32: one warpgroup that
+        # copies and computes, two CTAs per SM
+        def dq_bytes(bm, bn, stages):  # q, dO, the node stages, dS, the fp32 result
+            return (bm + stages * bn) * (K + V) * e + bm * bn * e + 4 * bm * K
+
+        def dkv_bytes(bn, bm, stages):  # K, V, the row stages, P and dS
+            return (bn + stages * bm) * (K + V) * e + 2 * bn * bm * e
+
+        if e == 2 and dq_bytes(128, 64, 2) <= _SMEM_WS and dkv_bytes(128, 64, 2) <= _SMEM_WS:
+            top = dict(top_dq_block_m=128, top_dq_block_n=64, top_dkv_block_n=128, top_dkv_block_m=64, top_stages=2,
+                       top_threads=256)
+        else:
+            bm, bn = next(((bm, bn) for bm, bn in ((64, 64), (64, 32), (32, 32), (32, 16))
+                           if max(dq_bytes(bm, bn, 1), dkv_bytes(bn, bm, 1)) <= _SMEM // 2), (16, 16))
+            top = dict(top_dq_block_m=bm, top_dq_block_n=bn, top_dkv_block_n=bn, top_dkv_block_m=bm, top_stages=1,
+                       top_threads=128)
         rows = next((bn for bn in (64, 32) if ((16 + bn) * (K + V) + 16 * bn) * e + 8 * 16 * K <= _SMEM // 2), 32)
         ct = children_tile(spec["compression_rate"])
         # The nodes kernel's rows are staged twice: as gathered (the pipeline's copy) and as operands. 32 rows
@@ -94,8 +132,7 @@ class HTreeBackwardTileLang(Op):
         # (H200: 4-5% faster at (a) and (b) 131072 than 64, see docs/design/htree.md).
         nodes = next(bm for bm in (32, 16)
                      if ((ct + 2 * bm) * (K + V) + 2 * ct * bm) * e + 4 * ct * K + 28 * bm <= _SMEM)
-        return {"top_dq_block_m": top_dq[0], "top_dq_block_n": top_dq[1], "top_dkv_block_n": top_dkv[0],
-                "top_dkv_block_m": top_dkv[1], "rows_block_n": rows, "nodes_block_m": nodes}
+        return {**top, "rows_block_n": rows, "nodes_block_m": nodes}
 
     def __init__(self, num_heads, num_kv_heads, head_dim, v_head_dim=None, compression_rate=16,
                  top_k_per_layer=512, max_top_nodes=8192, rope_base=10000.0, dtype=torch.bfloat16,
@@ -113,15 +150,20 @@ class HTreeBackwardTileLang(Op):
         rows = (htree_bwd_rows16_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, tl_dtype)
                 if rows16 else htree_bwd_rows_kernel(H, Hkv, K, V, r, top_k_per_layer, max_top_nodes, self.scale,
                                                      tl_dtype, block_n=c["rows_block_n"]))
-        (self.pool, self.rope, self.delta, self.top_dq, self.top_dkv, self.rows, self.nodes, self.unpool,
-         self.unpool_out, *rope_child) = compile_kernels(
+        top = dict(num_stages=c["top_stages"], threads=c["top_threads"])
+        # more than one stage runs warp-specialized (TileLang 0.1.15 builds no multi-stage pipeline with a dynamic
+        # trip count without it), one stage with every warp computing
+        top_cfg = None if c["top_stages"] > 1 else NO_WARP_SPECIALIZATION
+        (self.pool, self.rope, self.delta, self.top_rows, self.top_dq, self.top_dkv, self.rows, self.nodes,
+         self.unpool, self.unpool_out, *rope_child) = compile_kernels(
             htree_pool_kernel(Hkv, K, V, r, tl_dtype),
             htree_rope_kernel(Hkv, K, tl_dtype),
             htree_bwd_delta_kernel(H, V, tl_dtype),
-            htree_bwd_top_dq_kernel(H, Hkv, K, V, self.scale, tl_dtype, block_m=c["top_dq_block_m"],
-                                    block_n=c["top_dq_block_n"]),
-            htree_bwd_top_dkv_kernel(H, Hkv, K, V, self.scale, tl_dtype, block_m=c["top_dkv_block_m"],
-                                     block_n=c["top_dkv_block_n"]),
+            htree_bwd_top_rows_kernel(H, Hkv, K, V, self.scale, tl_dtype),
+            (htree_bwd_top_dq_kernel(H, Hkv, K, V, self.scale, tl_dtype, block_m=c["top_dq_block_m"],
+                                     block_n=c["top_dq_block_n"], **top), top_cfg),
+            (htree_bwd_top_dkv_kernel(H, Hkv, K, V, tl_dtype, block_m=c["top_dkv_block_m"],
+                                      block_n=c["top_dkv_block_n"], **top), top_cfg),
             rows,
             htree_bwd_nodes_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, tl_dtype, block_m=c["nodes_block_m"]),
             htree_bwd_unpool_kernel(Hkv, K, V, r, tl_dtype, final=False),
@@ -153,8 +195,9 @@ class HTreeBackwardTileLang(Op):
     def _slab_rows(self, B: int, L: int) -> int:
         """Queries per slab: the index structures and workspaces of one slab stay under _SLAB_BYTES."""
         Hkv, top_k = self.num_kv_heads, self.top_k_per_layer
-        per_row = B * ((L - 1) * Hkv * (top_k * 12 + self.nbuf + 1) + 40 * Hkv * top_k
-                       + 4 * self.num_heads * self.head_dim)
+        H, K, V = self.num_heads, self.head_dim, self.v_head_dim
+        rows = H * ((K + V) * operand_parts(str(self.dtype)[6:]) * self.dtype.itemsize + 8)  # the top's staged rows
+        per_row = B * ((L - 1) * Hkv * (top_k * 12 + self.nbuf + FLAG_PAD) + 40 * Hkv * top_k + 4 * H * K + rows)
         return max(64, min(self._SLAB_BYTES // per_row, (1 << (31 - LIST_SLOT_BITS)) - 1) // 64 * 64)
 
     def __call__(self, do, q, k, v, o, lse, selections, validate=True):
@@ -162,7 +205,7 @@ class HTreeBackwardTileLang(Op):
         self._check(do, q, k, v, o, lse, selections)
         B, T = q.shape[:2]
         H, Hkv, K, V, r = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim, self.compression_rate
-        top_k, nbuf = self.top_k_per_layer, self.nbuf
+        top_k_sel, nbuf = self.top_k_per_layer, self.nbuf
         dev = q.device
         cos, sin = self._rope(dev)
         nodes_k, nodes_v, top, layer_off, offs, sizes = build_tree(self.pool, self.rope, k, v, r, self.max_top_nodes,
@@ -180,30 +223,40 @@ class HTreeBackwardTileLang(Op):
         shift = (L - 1) * int(math.log2(r))
         top_v, top_off = (nodes_v, offs[-1]) if L > 1 else (v, 0)
         rows_k = self._rows_keys(k, nodes_k, cos, sin, offs, sizes)
+        top_ks, top_vs = top_operands(top, top_v, top_off, self.dtype)
         slab = self._slab_rows(B, L)
+        P, G = operand_parts(str(self.dtype)[6:]), H // Hkv
         for t0 in range(0, T, slab):
             S = min(slab, T - t0)
             if L > 1:
-                idx = slab_index(selections[:, :, t0:t0 + S], t0, r, top_k, nbuf, checks=validate)
+                idx = slab_index(selections[:, :, t0:t0 + S], t0, r, top_k_sel, nbuf, checks=validate)
                 if validate:
                     check_values(idx.checks)
                 par, ncand, flags = idx.par, idx.ncand, idx.flags
                 flags_top = flags[L - 2]
             else:  # one layer: no selections (one-row placeholders)
-                par = torch.zeros(1, 1, 1, Hkv, top_k, dtype=torch.int32, device=dev)
+                par = torch.zeros(1, 1, 1, Hkv, top_k_sel, dtype=torch.int32, device=dev)
                 ncand = torch.zeros(1, 1, 1, Hkv, dtype=torch.int32, device=dev)
-                flags = torch.zeros(1, 1, 1, Hkv, nbuf + 1, dtype=torch.int8, device=dev)
+                flags = torch.zeros(1, 1, 1, Hkv, FLAG_PAD, dtype=torch.int8, device=dev)
                 flags_top = flags[0]
+            q_rows = q.new_empty(P, B, Hkv, S * G, K)
+            do_rows = q.new_empty(P, B, Hkv, S * G, V)
+            rp = -(-S * G // 4) * 4  # 16-byte strides for the TMA copies
+            lse_rows, dl_rows = torch.empty(B, Hkv, rp, **f32), torch.empty(B, Hkv, rp, **f32)
+            self.top_rows(q, do, lse, dl, cos, sin, q_rows, do_rows, lse_rows, dl_rows, shift, t0)
             dq_top = torch.empty(B, S, H, K, **f32)
-            self.top_dq(q, do, top, top_v, cos, sin, lse, dl, flags_top, dq_top, shift, top_off, t0, int(L > 1))
-            self.top_dkv(q, do, top, top_v, cos, sin, lse, dl, flags_top, acc_k, acc_v, shift, top_off, acc_off[-1],
-                         t0, S, int(L > 1))
+            self.top_dq(q_rows, do_rows, lse_rows, dl_rows, top_ks, top_vs, cos, sin, flags_top, dq_top, shift, t0,
+                        int(L > 1))
+            self.top_dkv(q_rows, do_rows, lse_rows, dl_rows, top_ks, top_vs, flags_top, acc_k, acc_v, shift,
+                         acc_off[-1], t0, int(L > 1))
+            del q_rows, do_rows, lse_rows, dl_rows
             self.rows(q, do, rows_k[0], v, rows_k[1], nodes_v, cos, sin, lse, dl, par, ncand, flags, layer_off, dq_top,
                       dq, L - 1, t0)
             for l in range(L - 2, -1, -1):  # the nodes of layer l, children of the parents at l + 1
                 start, entries = parent_lists(par[l], sizes[l + 1])
                 self.nodes(q, do, k, v, nodes_k, nodes_v, cos, sin, lse, dl, ncand, flags, start, entries, layer_off,
                            acc_k, acc_v, sizes[l], l, acc_off[l], t0)
+        top_dk_finish(acc_k, acc_off[-1], sizes[-1], cos, sin)
         for l in range(L - 1, 1, -1):  # the mean pooling's gradient, down to layer 1
             self.unpool(acc_k, acc_v, acc_off[l - 1], sizes[l - 1], acc_off[l])
         self.unpool_out(acc_k, acc_v, dk, dv, acc_off[1] if L > 1 else 0, int(L > 1))
@@ -223,9 +276,9 @@ class HTreeBackwardTileLang(Op):
 
     def kernels(self) -> dict:
         """The compiled kernels by name (for compile-only tests and the bench's accounting)."""
-        names = {"pool": self.pool, "rope": self.rope, "delta": self.delta, "top_dq": self.top_dq,
-                 "top_dkv": self.top_dkv, "rows": self.rows, "nodes": self.nodes, "unpool": self.unpool,
-                 "unpool_out": self.unpool_out}
+        names = {"pool": self.pool, "rope": self.rope, "delta": self.delta, "top_rows": self.top_rows,
+                 "top_dq": self.top_dq, "top_dkv": self.top_dkv, "rows": self.rows, "nodes": self.nodes,
+                 "unpool": self.unpool, "unpool_out": self.unpool_out}
         if self.rope_child is not None:
             names["rope_child"] = self.rope_child
         return names

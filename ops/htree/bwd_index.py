@@ -5,7 +5,8 @@ The selections are the winners' candidate-buffer positions [L-1, B, S, Hkv, top_
 ascending, -1 padded). Per slab this builds
   - par [L-1, B, S, Hkv, top_k] int32: the winners as nodes (entry l: the parents of layer l);
   - ncand [L-1, B, S, Hkv] int32: the candidate count n_l of every layer l <= L - 2 below the top;
-  - flags [L-1, B, S, Hkv, nbuf + 1] int8: 1 at the winners' positions (entry l - 1: layer l); column nbuf pads;
+  - flags [L-1, B, S, Hkv, nbuf + FLAG_PAD] int8: 1 at the winners' positions (entry l - 1: layer l); the columns
+    from nbuf on pad;
 and, per layer l below the top, ``parent_lists``: for every parent j at layer l + 1, the slab's (query, slot) pairs
 that selected it, ordered by query (a stable sort), so that a node's gradient is summed in a fixed order."""
 
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .kernels.bwd_common import FLAG_PAD
 from .kernels.bwd_nodes import LIST_SLOT_BITS
 
 
@@ -53,7 +55,7 @@ def slab_index(sel: torch.Tensor, t_start: int, compression_rate: int, top_k: in
         above = nodes.clamp_min(0)
     idx.par = par
     idx.ncand = torch.stack(n[:L1]) if L1 else torch.empty(0, B, S, Hkv, dtype=torch.int32, device=dev)
-    flags = torch.zeros(L1, B, S, Hkv, nbuf + 1, dtype=torch.int8, device=dev)
+    flags = torch.zeros(L1, B, S, Hkv, nbuf + FLAG_PAD, dtype=torch.int8, device=dev)
     flags.scatter_(-1, torch.where(valid, pos, nbuf).clamp(0, nbuf), 1)
     idx.flags = flags
     if checks:

@@ -13,7 +13,8 @@ from .fragments import tf32_hi
 import tilelang.language as T  # noqa: E402
 
 LN2 = 1.0 / LOG2E
-FLAG_PAD = 1  # the winner flags carry one padding column (where -1 entries are scattered on the host)
+FLAG_PAD = 16  # the winner flags' padding columns: the first takes the host's scattered -1 entries, and rows of
+# nbuf + 16 bytes keep the 16-byte strides the top kernels' TMA copies need
 
 
 def tiles(dtype: str, policy=None):
