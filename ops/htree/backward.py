@@ -61,7 +61,8 @@ def _operand_bytes(dtype: str) -> int:
 def top_operands(top_k: torch.Tensor, top_v: torch.Tensor, top_off: int, dtype: torch.dtype):
     """The top layer's rotated K [B, Hkv, NT, K] and V (rows top_off .. top_off + NT - 1 of [B, NV, Hkv, V]) as
     [P, B, Hkv, NT, .] operand planes (fp32: the TF32 high part, bitwise as the kernels' ``tf32_hi``, and the
-    remainder)."""
+    remainder). Not the forward's ``split_tf32``: the backward's operand tiles are fp32, stored as is and truncated
+    by the products, where the forward's are TF32-typed, whose stores round (its +0x1000)."""
     nt = top_k.shape[2]
     v = top_v[:, top_off:top_off + nt].transpose(1, 2)
     if dtype != torch.float32:
@@ -196,7 +197,7 @@ class HTreeBackwardTileLang(Op):
         """Queries per slab: the index structures and workspaces of one slab stay under _SLAB_BYTES."""
         Hkv, top_k = self.num_kv_heads, self.top_k_per_layer
         H, K, V = self.num_heads, self.head_dim, self.v_head_dim
-        rows = H * ((K + V) * operand_parts(str(self.dtype)[6:]) * self.dtype.itemsize + 8)  # the top's staged rows
+        rows = H * ((K + V) * _operand_bytes(self.spec["dtype"]) + 8)  # the top kernels' staged rows
         per_row = B * ((L - 1) * Hkv * (top_k * 12 + self.nbuf + FLAG_PAD) + 40 * Hkv * top_k + 4 * H * K + rows)
         return max(64, min(self._SLAB_BYTES // per_row, (1 << (31 - LIST_SLOT_BITS)) - 1) // 64 * 64)
 
@@ -225,7 +226,7 @@ class HTreeBackwardTileLang(Op):
         rows_k = self._rows_keys(k, nodes_k, cos, sin, offs, sizes)
         top_ks, top_vs = top_operands(top, top_v, top_off, self.dtype)
         slab = self._slab_rows(B, L)
-        P, G = operand_parts(str(self.dtype)[6:]), H // Hkv
+        P, G = operand_parts(self.spec["dtype"]), H // Hkv
         for t0 in range(0, T, slab):
             S = min(slab, T - t0)
             if L > 1:
