@@ -14,7 +14,9 @@ from ops.common.runtime import compile_kernel
 from ops.htree import HTreeBackwardTileLang, HTreeForwardTileLang, htree_attention
 from ops.htree.backward import top_dk_finish, top_operands
 from ops.htree.bwd_index import candidate_counts, parent_lists, slab_index
+from ops.htree.kernels.bwd_nodes32 import htree_bwd_nodes32_kernel, uses_nodes32
 from ops.htree.kernels.bwd_rows16 import htree_bwd_rows16_kernel, uses_rows16
+from ops.htree.kernels.bwd_rows32 import htree_bwd_rows32_kernel, uses_rows32
 from ops.htree.tree import nodes_to_positions, positions_to_nodes
 
 
@@ -175,7 +177,7 @@ def _unrotate(x, cos, sin):
 
 def test_top_operands_planes():
     """The top layer's operand planes: 16-bit K as it is and V per kv head; fp32 a TF32 high part (low 13 mantissa
-    bits clear) and a remainder that add up to the value exactly."""
+    bits clear) and a remainder that add up to the value exactly; fp32 at "high" one plane, the nearest TF32 value."""
     g = torch.Generator().manual_seed(3)
     B, Hkv, NT, NV, K, V, off = 2, 3, 5, 9, 8, 6, 4
     for dtype in (torch.bfloat16, torch.float32):
@@ -190,6 +192,11 @@ def test_top_operands_planes():
                 assert torch.equal(planes[0] + planes[1], x)
         else:
             assert torch.equal(ks[0], top_k) and torch.equal(vs[0], want_v) and vs.is_contiguous()
+    x = torch.randn(B, Hkv, NT, K, generator=g, dtype=torch.float64)
+    ks, _ = top_operands(x.float(), top_v.float(), off, torch.float32, "high")
+    assert ks.shape == (1, B, Hkv, NT, K) and ((ks[0].view(torch.int32) & 8191) == 0).all()
+    # nearest: within half a TF32 ulp (2^-11 relative) of the value, in float64
+    assert ((ks[0].double() - x.float().double()).abs() <= x.float().double().abs() * 2.0 ** -11).all()
 
 
 def test_top_dk_finish_undoes_the_node_frame():
@@ -351,6 +358,7 @@ GOOD = dict(num_heads=8, num_kv_heads=2, head_dim=32)
     (dict(scale=-1.0), ValueError, "scale"),
     (dict(scale="x"), TypeError, "scale"),
     (dict(rope_base=0.0), ValueError, "rope_base"),
+    (dict(fp32_precision="medium"), ValueError, "fp32_precision"),
 ])
 def test_backward_bad_static_params(kw, err, msg):
     """The forward's specification checks, before any kernel is built."""
@@ -363,10 +371,11 @@ def test_backward_protocol():
     for spec in HTreeBackwardTileLang.warm_specs:
         inspect.signature(HTreeBackwardTileLang).bind(**spec)
     # the tile choices fit: bench rows (a), (b), and fp32 at the largest head dims
-    for K, V, dt, r in ((32, 32, "float32", 16), (128, 128, "bfloat16", 16), (128, 128, "float32", 4),
-                        (64, 32, "float16", 32)):
+    for K, V, dt, r, prec in ((32, 32, "float32", 16, "highest"), (32, 32, "float32", 16, "high"),
+                              (128, 128, "bfloat16", 16, "highest"), (128, 128, "float32", 4, "highest"),
+                              (64, 32, "float16", 32, "highest")):
         cfg = HTreeBackwardTileLang.default_config(dict(num_heads=16, num_kv_heads=1, head_dim=K, v_head_dim=V,
-                                                        compression_rate=r, dtype=dt))
+                                                        compression_rate=r, dtype=dt, fp32_precision=prec))
         assert set(cfg) == {"top_dq_block_m", "top_dq_block_n", "top_dkv_block_n", "top_dkv_block_m", "top_stages",
                             "top_threads", "rows_block_n", "nodes_block_m"}
 
@@ -426,8 +435,29 @@ def test_backward_compiles_for_sm90a(bwd_op):
     """Every backward kernel builds for sm_90a (and the forward's variant for the differentiable forward)."""
     kernels = bwd_op.kernels()
     assert all(kernel is not None for kernel in kernels.values())
-    rows16 = uses_rows16(str(bwd_op.dtype)[6:], bwd_op.compression_rate)  # (b): the rows kernel from fragments
-    assert len(kernels) == 10 + rows16 and ("rope_child" in kernels) == rows16
+    dtype, G = str(bwd_op.dtype)[6:], bwd_op.num_heads // bwd_op.num_kv_heads
+    # (a) and (b): the rows kernel from fragments, with K rotated at the child index
+    frag = uses_rows16(dtype, bwd_op.compression_rate) or uses_rows32(dtype, bwd_op.head_dim, bwd_op.v_head_dim, G,
+                                                                      bwd_op.compression_rate)
+    assert len(kernels) == 10 + frag and ("rope_child" in kernels) == frag
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("H,Hkv,K,V,r,precision", [(8, 2, 64, 32, 32, "highest"), (16, 1, 32, 64, 16, "high")])
+def test_fp32_fragment_kernels_compile_for_sm90a(H, Hkv, K, V, r, precision):
+    """htree_bwd_nodes32_kernel and htree_bwd_rows32_kernel (fp32, r >= 16) build at a GPU test's specification
+    (two child tiles, K != V) and with TF32 products (the bench's (a): above)."""
+    G = H // Hkv
+    assert uses_nodes32("float32", K, V, G, r) and uses_rows32("float32", K, V, G, r)
+    assert compile_kernel(htree_bwd_nodes32_kernel(H, Hkv, K, V, r, 4, K ** -0.5, precision)) is not None
+    assert compile_kernel(htree_bwd_rows32_kernel(H, Hkv, K, V, r, 4, K ** -0.5, precision)) is not None
+
+
+@pytest.mark.compile
+def test_backward_tf32_compiles_for_sm90a():
+    """fp32 at fp32_precision="high" (one TF32 product, one operand plane) builds at the bench's (a)."""
+    op = HTreeBackwardTileLang(64, 4, 32, dtype=torch.float32, fp32_precision="high")
+    assert all(kernel is not None for kernel in op.kernels().values())
 
 
 @pytest.mark.compile

@@ -1,9 +1,10 @@
 """htree backward on the GPU: compiled dq, dk, dv against the golden's autograd with the kernel's selections forced
 (fp32 / bf16 / fp16, G in {1, 4, 16}, K != V, T not a multiple of r^l, 1 to 5 layers, top_k = 1 and top_k selecting
-everything), gradients poisoned with NaN, bitwise determinism, htree_attention end to end and under torch.compile,
-the forward's lse and saved selections, the 16-bit forward's selection agreement with the fp32 golden, and two
-shapes for compute-sanitizer (``-k memcheck``). The tests share specializations (each builds ~18 kernels on first
-use), so a first run spends most of its time building."""
+everything; fp32 also with TF32 products), gradients poisoned with NaN, bitwise determinism, htree_attention end to
+end, under torch.compile and at torch's fp32 matmul precision, the forward's lse and saved selections, the 16-bit
+forward's selection agreement with the fp32 golden, and small shapes for compute-sanitizer (``-k memcheck``). The
+tests share specializations (each builds ~18 kernels on first use), so a first run spends most of its time
+building."""
 
 import pytest
 import torch
@@ -24,10 +25,12 @@ CASES = [
     (torch.bfloat16, 8, 2, 32, 32, 4, 1, 16, 300),      # top_k=1: only the forced rightmost node is expanded
     (torch.float32, 4, 2, 32, 32, 2, 4, 8, 100),        # r=2, L=5
     (torch.float16, 16, 1, 128, 64, 16, 8, 32, 1100),   # G=16 fp16 r=16, L=3 (the 16-bit rows kernel's two head tiles)
+    (torch.float32, 8, 2, 64, 32, 32, 4, 64, 2100),     # G=4 fp32 r=32, K != V, L=3 (fp32 nodes kernel: 2 child tiles)
 ]
 ALL_SELECTED = (torch.float32, 8, 2, 32, 64, 4, 64, 16, 200)  # top_k >= every layer's candidates (L=3)
 # relative Frobenius-norm error allowed per gradient (16-bit: the gradients are rounded to 16 bits, the tree too)
 REL = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+REL_TF32 = REL[torch.float16]  # fp32 at fp32_precision="high": TF32 operands carry fp16's 10-bit mantissa
 
 
 def _ids(c):
@@ -44,10 +47,11 @@ def _inputs(case, B=2, seed=0):
     return q, k, v, do
 
 
-def _ops(case):
+def _ops(case, fp32_precision="highest"):
     dtype, H, Hkv, K, V, r, top_k, max_top, T = case
     kw = dict(compression_rate=r, top_k_per_layer=top_k, max_top_nodes=max_top, dtype=dtype)
-    return HTreeForwardTileLang(H, Hkv, K, V, **kw), HTreeBackwardTileLang(H, Hkv, K, V, **kw)
+    return (HTreeForwardTileLang(H, Hkv, K, V, **kw),
+            HTreeBackwardTileLang(H, Hkv, K, V, fp32_precision=fp32_precision, **kw))
 
 
 def golden_grads(q, k, v, do, sel_nodes, r, top_k, max_top):
@@ -58,35 +62,37 @@ def golden_grads(q, k, v, do, sel_nodes, r, top_k, max_top):
     return torch.autograd.grad(o, (qf, kf, vf), do.float())
 
 
-def compare(got, ref, dtype, what):
+def compare(got, ref, dtype, what, tol=None):
     """Relative-norm error within REL[dtype], every element within 10x that of the largest reference magnitude,
     nothing unwritten (NaN); for dk and dv exact zeros where the reference has them (nodes no query's gradient
     reaches; dq is not compared so: a query whose one merged candidate is its own token has dS = P (dO.v - D) = 0
     only up to rounding in the kernel, exactly in the golden)."""
     assert got.dtype == dtype and got.shape == ref.shape, what
     assert not got.isnan().any(), f"{what}: unwritten (NaN) elements"
+    tol = REL[dtype] if tol is None else tol
     g, r = got.float(), ref.float()
     rel = ((g - r).norm() / r.norm().clamp_min(1e-30)).item()
     worst = ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
-    assert rel <= REL[dtype] and worst <= 10 * REL[dtype], f"{what}: rel-norm {rel:.3g}, max {worst:.3g}"
+    assert rel <= tol and worst <= 10 * tol, f"{what}: rel-norm {rel:.3g}, max {worst:.3g}"
     if what in ("dk", "dv"):
         assert (g[r == 0] == 0).all(), f"{what}: non-zero where the reference is exactly zero"
     return rel
 
 
-def run_backward(case, poisoned, B=2, seed=0, zero_tail=False):
+def run_backward(case, poisoned, B=2, seed=0, zero_tail=False, fp32_precision="highest"):
     """Forward (saving), backward under poisoned allocations, the golden with the kernel's selections."""
     dtype, H, Hkv, K, V, r, top_k, max_top, T = case
     q, k, v, do = _inputs(case, B, seed)
     if zero_tail:  # no gradient from the second half of the queries: nodes only they attend get exact zeros
         do[:, T // 2:] = 0
-    fwd, bwd = _ops(case)
+    fwd, bwd = _ops(case, fp32_precision)
     o, lse, sel = fwd.forward_for_backward(q, k, v)
     assert sel.dtype == torch.int16 and sel.shape == (num_layers(T, r, max_top) - 1, B, T, Hkv, top_k)
     with poisoned():  # dq, dk, dv and every workspace start as NaN
         dq, dk, dv = bwd(do, q, k, v, o, lse, sel)
     ref = golden_grads(q, k, v, do, list(positions_to_nodes(sel, r).unbind(0)), r, top_k, max_top)
-    rels = [compare(g, g_ref, dtype, name) for g, g_ref, name in zip((dq, dk, dv), ref, ("dq", "dk", "dv"))]
+    tol = REL_TF32 if dtype == torch.float32 and fp32_precision == "high" else None
+    rels = [compare(g, g_ref, dtype, name, tol) for g, g_ref, name in zip((dq, dk, dv), ref, ("dq", "dk", "dv"))]
     return (q, k, v, do, o, lse, sel, fwd, bwd), rels
 
 
@@ -98,6 +104,19 @@ def test_backward_matches_golden(case, poisoned):
     # P = 1 and dS = dO . v - D = 0 up to rounding
     G = case[1] // case[2]
     torch.testing.assert_close(o[:, 0].float(), v[:, 0].float().repeat_interleave(G, dim=1), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[8], CASES[10]], ids=_ids)
+def test_backward_tf32_matches_golden(case, poisoned):
+    """fp32 at fp32_precision="high" (one TF32 product): the golden's gradients to fp16's tolerance, and the mode
+    really on (its error well above the split-TF32 default's on the same inputs); bitwise deterministic."""
+    _, rels_tf32 = run_backward(case, poisoned, fp32_precision="high")
+    (q, k, v, do, o, lse, sel, _, bwd), rels = run_backward(case, poisoned)
+    assert max(rels_tf32) > 4 * max(rels), (rels_tf32, rels)
+    tf32 = _ops(case, "high")[1]
+    first = tf32(do, q, k, v, o, lse, sel)
+    assert all(torch.equal(a, b) for a, b in zip(first, tf32(do, q, k, v, o, lse, sel)))
 
 
 @pytest.mark.gpu
@@ -192,6 +211,26 @@ def test_htree_attention_backward_end_to_end(case):
 
 
 @pytest.mark.gpu
+def test_htree_attention_follows_matmul_precision():
+    """htree_attention's fp32 backward runs at torch.get_float32_matmul_precision(): at "high", bitwise the
+    fp32_precision="high" op's gradients."""
+    case = CASES[8]
+    q0, k0, v0, do = _inputs(case)
+    r, top_k, max_top = case[5:8]
+    q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        htree_attention(q, k, v, compression_rate=r, top_k_per_layer=top_k, max_top_nodes=max_top).backward(do)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    fwd, bwd = _ops(case, "high")
+    o, lse, sel = fwd.forward_for_backward(q0, k0, v0)
+    for x, g in zip((q, k, v), bwd(do, q0, k0, v0, o, lse, sel)):
+        assert torch.equal(x.grad, g)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", [CASES[7], CASES[8]], ids=_ids)
 def test_htree_attention_torch_compile_backward(case):
     """torch.compile(fullgraph=True) traces forward and backward (the custom ops' fakes): eager's output and
@@ -217,12 +256,16 @@ def test_htree_attention_torch_compile_backward(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [CASES[1][:8] + (1000,), CASES[2]], ids=["bf16-L3", "fp16-L4"])
-def test_backward_memcheck_shapes(case):
+@pytest.mark.parametrize("case", [CASES[1][:8] + (1000,), CASES[2], CASES[0][:8] + (1000,), CASES[10][:8] + (700,)],
+                         ids=["bf16-L3", "fp16-L4", "fp32-G16-r16", "fp32-G4-r32"])
+@pytest.mark.parametrize("fp32_precision", ["highest", "high"])
+def test_backward_memcheck_shapes(case, fp32_precision):
     """Small shapes for ``compute-sanitizer --tool memcheck python -m pytest tests/test_htree_bwd_gpu.py -k memcheck``:
     the forward that saves and the backward, once each."""
+    if case[0] != torch.float32 and fp32_precision != "highest":
+        pytest.skip("fp32_precision acts on fp32 inputs only")
     q, k, v, do = _inputs(case, B=1)
-    fwd, bwd = _ops(case)
+    fwd, bwd = _ops(case, fp32_precision)
     o, lse, sel = fwd.forward_for_backward(q, k, v)
     dq, dk, dv = bwd(do, q, k, v, o, lse, sel)
     torch.cuda.synchronize()

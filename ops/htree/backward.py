@@ -13,16 +13,17 @@ costs: docs/design/htree.md):
     candidate counts, and per layer below the top the lists parent -> queries that selected it):
     ``htree_bwd_top_dq_kernel`` (the top layer's part of dq, GEMMs over query blocks),
     ``htree_bwd_top_dkv_kernel`` (the top layer's dK, dV, GEMMs over node blocks),
-    ``htree_bwd_rows_kernel`` (the lower layers' part of dq, one CTA per row; writes dq; 16-bit with r >= 16:
-    ``htree_bwd_rows16_kernel`` from register fragments, with the lower layers' K rotated at their child index by
-    the forward's ``htree_rope_kernel``),
-    ``htree_bwd_nodes_kernel`` once per lower layer (its nodes' dK, dV, one CTA per parent's children);
+    ``htree_bwd_rows_kernel`` (the lower layers' part of dq, one CTA per row; writes dq; r >= 16:
+    ``htree_bwd_rows16_kernel`` (16-bit) or ``htree_bwd_rows32_kernel`` (fp32) from register fragments, with the
+    lower layers' K rotated at their child index by the forward's ``htree_rope_kernel``),
+    ``htree_bwd_nodes_kernel`` once per lower layer (its nodes' dK, dV, one CTA per parent's children; fp32 with
+    r >= 16: ``htree_bwd_nodes32_kernel`` from register fragments);
   - ``htree_bwd_unpool_kernel``: the push-down from the top layer to the tokens, writing dk, dv.
 Every accumulator element is written by one CTA per launch, in a fixed order, so dq, dk and dv are bitwise
 reproducible.
 
 Memory: fp32 accumulators for dK and dV of every layer, (T + sum_{l >= 1} N_l) x Hkv x (K + V) x 4 bytes per batch
-row (~(K + V) x Hkv x 4.27 bytes per token at r = 16), D [B, T, H] fp32, the rebuilt tree (16-bit, r >= 16: and
+row (~(K + V) x Hkv x 4.27 bytes per token at r = 16), D [B, T, H] fp32, the rebuilt tree (r >= 16: and
 the lower layers' K rotated at the child index, ~k's size), and per slab of queries
 the index structures (about 12 (L-1) Hkv top_k + (L-1) Hkv nbuf + 4 H K bytes per query, plus one layer's sort of
 B S Hkv top_k pairs); the slab is sized so that these stay under 4 GiB (~10K queries at the bench's (b)).
@@ -36,13 +37,15 @@ import torch
 
 from ..common.protocol import Op
 from ..common.runtime import NO_WARP_SPECIALIZATION, compile_kernels, resolve_config
-from ..common.validate import check_bool, check_tensor, check_values
+from ..common.validate import check_bool, check_choice, check_tensor, check_values
 from .bwd_index import parent_lists, slab_index
 from .forward import set_spec
 from .kernels.bwd_nodes import LIST_SLOT_BITS, children_tile, htree_bwd_nodes_kernel
+from .kernels.bwd_nodes32 import htree_bwd_nodes32_kernel, uses_nodes32
 from .kernels.bwd_rows import htree_bwd_rows_kernel
 from .kernels.bwd_rows16 import htree_bwd_rows16_kernel, uses_rows16
-from .kernels.bwd_common import FLAG_PAD, LN2, unrotate
+from .kernels.bwd_rows32 import htree_bwd_rows32_kernel, uses_rows32
+from .kernels.bwd_common import FLAG_PAD, FP32_PRECISIONS, LN2, split_operands, unrotate
 from .kernels.bwd_top import (htree_bwd_top_dkv_kernel, htree_bwd_top_dq_kernel, htree_bwd_top_rows_kernel,
                                operand_parts)
 from .kernels.bwd_tree import htree_bwd_delta_kernel, htree_bwd_unpool_kernel
@@ -53,23 +56,30 @@ _SMEM = 200 * 1024  # what the tile choices below let a CTA's operand tiles take
 _SMEM_WS = 216 * 1024  # a warp-specialized top kernel's tiles (one CTA per SM)
 
 
-def _operand_bytes(dtype: str) -> int:
-    """Shared bytes of one operand element: 16-bit, or fp32 as two TF32 halves."""
-    return 8 if dtype == "float32" else 2
+def _operand_bytes(dtype: str, fp32_precision: str = "highest") -> int:
+    """Shared bytes of one operand element: 16-bit, fp32 as two TF32 halves, or fp32 rounded to TF32."""
+    return 2 if dtype != "float32" else 8 if split_operands(dtype, fp32_precision) else 4
 
 
-def top_operands(top_k: torch.Tensor, top_v: torch.Tensor, top_off: int, dtype: torch.dtype):
+def top_operands(top_k: torch.Tensor, top_v: torch.Tensor, top_off: int, dtype: torch.dtype,
+                 fp32_precision: str = "highest"):
     """The top layer's rotated K [B, Hkv, NT, K] and V (rows top_off .. top_off + NT - 1 of [B, NV, Hkv, V]) as
-    [P, B, Hkv, NT, .] operand planes (fp32: the TF32 high part, bitwise as the kernels' ``tf32_hi``, and the
-    remainder). Not the forward's ``split_tf32``: the backward's operand tiles are fp32, stored as is and truncated
-    by the products, where the forward's are TF32-typed, whose stores round (its +0x1000)."""
+    [P, B, Hkv, NT, .] operand planes: fp32 at "highest" the TF32 high part, bitwise as the kernels' ``tf32_hi``,
+    and the remainder; at "high" one plane rounded to TF32 as the kernels' ``tf32_round``. Not the forward's
+    ``split_tf32``: the backward's operand tiles are fp32, stored as is and truncated by the products, where the
+    forward's are TF32-typed, whose stores round (its +0x1000)."""
     nt = top_k.shape[2]
     v = top_v[:, top_off:top_off + nt].transpose(1, 2)
     if dtype != torch.float32:
         return top_k.unsqueeze(0), v.contiguous().unsqueeze(0)
 
+    def bits(x):
+        return x.contiguous().view(torch.int32)
+
     def planes(x):
-        hi = (x.contiguous().view(torch.int32) & -8192).view(torch.float32)
+        if fp32_precision != "highest":
+            return ((bits(x) + 4096) & -8192).view(torch.float32).unsqueeze(0)
+        hi = (bits(x) & -8192).view(torch.float32)
         return torch.stack((hi, x - hi))
 
     return planes(top_k), planes(v)
@@ -93,8 +103,11 @@ class HTreeBackwardTileLang(Op):
     given what ``HTreeForwardTileLang.forward_for_backward`` returns: o [B, T, H, V], lse [B, T, H] fp32 and the
     selections [L-1, B, T, Hkv, top_k] int16 (the winners' candidate-buffer positions). ``validate`` checks the
     selections' values against the forward's rules (one host sync per slab of queries); False skips that.
-    Deterministic: the same inputs give bitwise the same gradients. The differentiable functional form:
-    ``ops.htree.htree_attention``."""
+    Deterministic: the same inputs give bitwise the same gradients. ``fp32_precision`` (fp32 inputs only, torch's
+    names): "highest" multiplies split-TF32 halves (three TF32 products, close to fp32 accuracy), "high" operands
+    rounded to TF32 (one product: fp16's 10-bit mantissa, as torch's matmuls at that precision and Triton's default
+    fp32 dot). The differentiable functional form: ``ops.htree.htree_attention``, which follows
+    ``torch.get_float32_matmul_precision()``."""
 
     op_name = "htree_bwd"
     warm_specs = (
@@ -108,7 +121,7 @@ class HTreeBackwardTileLang(Op):
         """Tile sizes from a shared-memory model (the largest that fit, see ``_SMEM``):
         the top layer's rows and nodes per block and pipeline stages (both products), the rows kernel's chunk, the
         nodes kernel's rows per block."""
-        K, V, e = spec["head_dim"], spec["v_head_dim"], _operand_bytes(spec["dtype"])
+        K, V, e = spec["head_dim"], spec["v_head_dim"], _operand_bytes(spec["dtype"], spec["fp32_precision"])
         # the top layer's two products: a row (dq) or node (dK/dV) tile, the other side streamed through a software
         # pipeline; 16-bit: two consumer warpgroups beside a producer (TMA, two stages), fp32: one warpgroup that
         # copies and computes, two CTAs per SM
@@ -137,21 +150,33 @@ class HTreeBackwardTileLang(Op):
 
     def __init__(self, num_heads, num_kv_heads, head_dim, v_head_dim=None, compression_rate=16,
                  top_k_per_layer=512, max_top_nodes=8192, rope_base=10000.0, dtype=torch.bfloat16,
-                 scale=None, config=None):
+                 scale=None, fp32_precision="highest", config=None):
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         tl_dtype = set_spec(self, num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate, top_k_per_layer,
                             max_top_nodes, rope_base, dtype, scale)
+        check_choice("fp32_precision", fp32_precision, FP32_PRECISIONS)
+        self.fp32_precision = fp32_precision
+        self.spec = {**self.spec, "fp32_precision": fp32_precision}
+        prec = dict(fp32_precision=fp32_precision)
         self.nbuf = 1 << pack_bits(compression_rate, top_k_per_layer, max_top_nodes)
         self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
         c = self.config
         H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
-        # 16-bit, r >= 16: the rows kernel from register fragments, with the lower layers' K rotated at the child
-        # index (the forward's htree_rope_kernel with period r)
-        rows16 = uses_rows16(tl_dtype, r)
-        rows = (htree_bwd_rows16_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, tl_dtype)
-                if rows16 else htree_bwd_rows_kernel(H, Hkv, K, V, r, top_k_per_layer, max_top_nodes, self.scale,
-                                                     tl_dtype, block_n=c["rows_block_n"]))
-        top = dict(num_stages=c["top_stages"], threads=c["top_threads"])
+        # r >= 16 (fp32: K, V <= 64, G <= 16): the rows and nodes kernels' products from register fragments, the
+        # rows kernel's K rotated at the child index (the forward's htree_rope_kernel with period r)
+        if uses_rows16(tl_dtype, r):
+            rows = htree_bwd_rows16_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, tl_dtype)
+        elif uses_rows32(tl_dtype, K, V, H // Hkv, r):
+            rows = htree_bwd_rows32_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, **prec)
+        else:
+            rows = htree_bwd_rows_kernel(H, Hkv, K, V, r, top_k_per_layer, max_top_nodes, self.scale, tl_dtype,
+                                         block_n=c["rows_block_n"], **prec)
+        child_frame = uses_rows16(tl_dtype, r) or uses_rows32(tl_dtype, K, V, H // Hkv, r)
+        nodes = (htree_bwd_nodes32_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, **prec)
+                 if uses_nodes32(tl_dtype, K, V, H // Hkv, r) else
+                 htree_bwd_nodes_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, tl_dtype,
+                                        block_m=c["nodes_block_m"], **prec))
+        top = dict(num_stages=c["top_stages"], threads=c["top_threads"], **prec)
         # more than one stage runs warp-specialized (TileLang 0.1.15 builds no multi-stage pipeline with a dynamic
         # trip count without it), one stage with every warp computing
         top_cfg = None if c["top_stages"] > 1 else NO_WARP_SPECIALIZATION
@@ -160,16 +185,16 @@ class HTreeBackwardTileLang(Op):
             htree_pool_kernel(Hkv, K, V, r, tl_dtype),
             htree_rope_kernel(Hkv, K, tl_dtype),
             htree_bwd_delta_kernel(H, V, tl_dtype),
-            htree_bwd_top_rows_kernel(H, Hkv, K, V, self.scale, tl_dtype),
+            htree_bwd_top_rows_kernel(H, Hkv, K, V, self.scale, tl_dtype, **prec),
             (htree_bwd_top_dq_kernel(H, Hkv, K, V, self.scale, tl_dtype, block_m=c["top_dq_block_m"],
                                      block_n=c["top_dq_block_n"], **top), top_cfg),
             (htree_bwd_top_dkv_kernel(H, Hkv, K, V, tl_dtype, block_m=c["top_dkv_block_m"],
                                       block_n=c["top_dkv_block_n"], **top), top_cfg),
             rows,
-            htree_bwd_nodes_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, tl_dtype, block_m=c["nodes_block_m"]),
+            nodes,
             htree_bwd_unpool_kernel(Hkv, K, V, r, tl_dtype, final=False),
             htree_bwd_unpool_kernel(Hkv, K, V, r, tl_dtype, final=True),
-            *([htree_rope_kernel(Hkv, K, tl_dtype, period=r)] if rows16 else []))
+            *([htree_rope_kernel(Hkv, K, tl_dtype, period=r)] if child_frame else []))
         self.rope_child = rope_child[0] if rope_child else None
         self._tables = {}
 
@@ -197,7 +222,8 @@ class HTreeBackwardTileLang(Op):
         """Queries per slab: the index structures and workspaces of one slab stay under _SLAB_BYTES."""
         Hkv, top_k = self.num_kv_heads, self.top_k_per_layer
         H, K, V = self.num_heads, self.head_dim, self.v_head_dim
-        rows = H * ((K + V) * _operand_bytes(self.spec["dtype"]) + 8)  # the top kernels' staged rows
+        # the top kernels' staged rows
+        rows = H * ((K + V) * _operand_bytes(self.spec["dtype"], self.fp32_precision) + 8)
         per_row = B * ((L - 1) * Hkv * (top_k * 12 + self.nbuf + FLAG_PAD) + 40 * Hkv * top_k + 4 * H * K + rows)
         return max(64, min(self._SLAB_BYTES // per_row, (1 << (31 - LIST_SLOT_BITS)) - 1) // 64 * 64)
 
@@ -224,9 +250,9 @@ class HTreeBackwardTileLang(Op):
         shift = (L - 1) * int(math.log2(r))
         top_v, top_off = (nodes_v, offs[-1]) if L > 1 else (v, 0)
         rows_k = self._rows_keys(k, nodes_k, cos, sin, offs, sizes)
-        top_ks, top_vs = top_operands(top, top_v, top_off, self.dtype)
+        top_ks, top_vs = top_operands(top, top_v, top_off, self.dtype, self.fp32_precision)
         slab = self._slab_rows(B, L)
-        P, G = operand_parts(self.spec["dtype"]), H // Hkv
+        P, G = operand_parts(self.spec["dtype"], self.fp32_precision), H // Hkv
         for t0 in range(0, T, slab):
             S = min(slab, T - t0)
             if L > 1:
@@ -264,8 +290,9 @@ class HTreeBackwardTileLang(Op):
         return dq, dk, dv
 
     def _rows_keys(self, k, nodes_k, cos, sin, offs, sizes):
-        """The rows kernel's K of the tokens and of the nodes below the top (at their offs): as they are, or (16-bit,
-        r >= 16) rotated at their child index, [B, Hkv, nodes, K] (a one-row placeholder without middle layers)."""
+        """The rows kernel's K of the tokens and of the nodes below the top (at their offs): as they are, or (the
+        fragment kernels, r >= 16) rotated at their child index, [B, Hkv, nodes, K] (a one-row placeholder without
+        middle layers)."""
         if self.rope_child is None:
             return k, nodes_k
         B, T, Hkv, K = k.shape

@@ -67,8 +67,11 @@ def htree_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
                    compression_rate: int, top_k_per_layer: int, max_top_nodes: int, rope_base: float,
                    scale: Optional[float]) -> tuple[Tensor, Tensor, Tensor]:
     spec = _spec(q, k, v, compression_rate, top_k_per_layer, max_top_nodes, rope_base, scale)
+    # fp32 products as torch's matmuls would run them now ("medium" allows bf16 there: TF32 here)
+    precision = "highest" if torch.get_float32_matmul_precision() == "highest" else "high"
     # the forward's own selections: no value checks (no host synchronization)
-    return op_instance(HTreeBackwardTileLang, **spec)(do, q, k, v, o, lse, selections, validate=False)
+    return op_instance(HTreeBackwardTileLang, **spec, fp32_precision=precision)(do, q, k, v, o, lse, selections,
+                                                                               validate=False)
 
 
 @htree_backward.register_fake
@@ -115,7 +118,9 @@ def htree_attention(q: Tensor, k: Tensor, v: Tensor, compression_rate: int = 16,
                     max_top_nodes: int = 8192, rope_base: float = 10000.0, scale: Optional[float] = None) -> Tensor:
     """Hierarchical tree sparse attention (defined by ``golden.htree.htree_forward``): q [B, T, H, K], k [B, T, Hkv, K],
     v [B, T, Hkv, V] (CUDA, one of fp32 / fp16 / bf16, contiguous) -> o [B, T, H, V] in q's dtype, differentiable in
-    q, k and v (the selections held constant; ``HTreeBackwardTileLang``). ``scale`` defaults to K ** -0.5. When a
+    q, k and v (the selections held constant; ``HTreeBackwardTileLang``, whose fp32 products follow
+    ``torch.get_float32_matmul_precision()``: "highest", torch's default, keeps fp32 accuracy, "high" or "medium"
+    runs them in TF32). ``scale`` defaults to K ** -0.5. When a
     gradient is needed it runs ``llm_tile_ops::htree_forward_train``, which keeps o, lse and the selections for the
     backward (per token, beyond q, k, v: H V + 4 H + 2 (L-1) Hkv top_k bytes), else ``llm_tile_ops::htree_forward``;
     each builds (or loads) its op objects for the shapes' specialization on its first call in a process."""

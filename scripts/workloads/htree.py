@@ -200,6 +200,8 @@ def bench_backward(b, only=None):
     for tag, dtype, H, Hkv, K, Ts in rows:
         fwd = HTreeForwardTileLang(H, Hkv, K, dtype=dtype)
         bwd = HTreeBackwardTileLang(H, Hkv, K, dtype=dtype)
+        # fp32: also at the seed's own precision (its tl.dot on fp32 runs TF32 products)
+        bwd_tf32 = HTreeBackwardTileLang(H, Hkv, K, dtype=dtype, fp32_precision="high") if tag == "a" else None
         cos, sin = rope_tables(K, max(Ts), 10000.0, torch.float32, dev)
         for T in Ts:
             once = T > 131072  # seconds per call: one timed run after one warm-up
@@ -212,6 +214,11 @@ def bench_backward(b, only=None):
                 bwd(do, q, k, v, o, lse, sel, validate=False)
             ours = _time_backward(b, lambda: bwd(do, q, k, v, o, lse, sel, validate=False), once)
             b.row("htree", wl, "tilelang backward", ours, bytes=moved, flops=flops, ours=True)
+            ours_tf32 = None
+            if bwd_tf32 is not None:
+                ours_tf32 = _time_backward(b, lambda: bwd_tf32(do, q, k, v, o, lse, sel, validate=False), once)
+                b.row("htree", wl, "tilelang backward, TF32 products (fp32_precision='high')", ours_tf32,
+                      bytes=moved, flops=flops, ours=True)
 
             def fwd_bwd():
                 o2, lse2, sel2 = fwd.forward_for_backward(q, k, v)
@@ -241,6 +248,8 @@ def bench_backward(b, only=None):
             torch.cuda.empty_cache()
             if tag == "a" and seed_ms is not None:
                 b.target("htree", wl, ">= 5x faster than the seed's Triton backward", seed_ms >= 5 * ours)
+                b.target("htree", wl, ">= 5x faster than the seed's Triton backward at its precision (TF32)",
+                         seed_ms >= 5 * ours_tf32)
             if tag == "b" and T == 131072 and seed_ms is not None:
                 b.target("htree", wl, ">= 15x faster than the seed's Triton backward", seed_ms >= 15 * ours)
             if tag == "b" and T == 1048576:

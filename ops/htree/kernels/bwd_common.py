@@ -1,14 +1,16 @@
-"""What the htree backward kernels share: operand tiles in shared memory (fp32: split-TF32 halves), the products
-acc += a @ b^T on them, and the RoPE rotation and its inverse.
+"""What the htree backward kernels share: operand tiles in shared memory (fp32: split-TF32 halves, or TF32), the
+products acc += a @ b^T on them, and the RoPE rotation and its inverse.
 
 Products are acc += A B^T (``product``, A [M, k] and B [N, k], both K-major) or acc += A B (``product_nn``, B [k, N]),
 on operands in shared memory; fp32 operands are typed float32 (mma.sync TF32 products, which take both forms; a
 TF32 warpgroup product would take only the first). fp32 operands are split into a TF32-exact high part and its
 remainder and multiplied hi*hi + hi*lo + lo*hi (as in the forward), so fp32 scores, probabilities and gradients keep
-close to fp32 accuracy."""
+close to fp32 accuracy: ``fp32_precision="highest"``. With "high" (torch's name for TF32 matmuls, and what Triton's
+default fp32 dot computes) each operand is rounded to TF32 once and every product is one TF32 product: a third of
+the tensor-core work and half the operand bytes, with fp16's 10-bit mantissa."""
 
 from ...common.hw import LOG2E
-from .fragments import tf32_hi
+from .fragments import tf32_hi, tf32_round
 
 import tilelang.language as T  # noqa: E402
 
@@ -16,14 +18,22 @@ LN2 = 1.0 / LOG2E
 FLAG_PAD = 16  # the winner flags' padding columns: the first takes the host's scattered -1 entries, and rows of
 # nbuf + 16 bytes keep the 16-byte strides the top kernels' TMA copies need
 
+FP32_PRECISIONS = ("highest", "high")  # torch.get_float32_matmul_precision's names ("medium" is taken as "high")
 
-def tiles(dtype: str, policy=None):
+
+def split_operands(dtype: str, fp32_precision: str = "highest") -> bool:
+    """Whether operands are split-TF32 halves (fp32 at "highest") rather than one plane."""
+    return dtype == "float32" and fp32_precision == "highest"
+
+
+def tiles(dtype: str, policy=None, fp32_precision: str = "highest"):
     """(alloc, put, product, product_nn) for operands of ``dtype``:
     alloc(shape) -> (tile, lo): a shared operand tile and, for fp32, the tile of its low halves (else a stub);
-    put(x, dst, dst_lo, i, j): store fp32 x as the operand element (i, j);
+    put(x, dst, dst_lo, i, j): store fp32 x as the operand element (i, j) (fp32 at "high": rounded to TF32);
     product(a, a_lo, b, b_lo, acc): acc += a @ b^T (fp32: three TF32 products), with the warp policy given;
     product_nn(a, a_lo, b, b_lo, acc): acc += a @ b."""
-    split = dtype == "float32"
+    split = split_operands(dtype, fp32_precision)
+    rounded = dtype == "float32" and not split
     kw = {} if policy is None else {"policy": policy}
 
     def alloc(shape):
@@ -35,6 +45,8 @@ def tiles(dtype: str, policy=None):
             hi = tf32_hi(x)
             dst[i, j] = hi
             dst_lo[i, j] = x - hi
+        elif rounded:
+            dst[i, j] = tf32_round(x)
         else:
             dst[i, j] = T.cast(x, dtype)
 
@@ -63,3 +75,29 @@ def rotate(x, y, cos, sin):
 def unrotate(x, y, cos, sin):
     """The inverse (transpose) of ``rotate``: the gradient of a rotated pair back to the unrotated one."""
     return x * cos + y * sin, y * cos - x * sin
+
+
+def lower_layer_tiles(tile):
+    """The macro running a fragment rows kernel's ``tile`` (bwd_rows16, bwd_rows32) over a row's layers below the top,
+    l = num_lower - 1 .. 0: the layer's candidate count n and its parents into shared memory, then warp w takes
+    every fourth 16-candidate tile, w, w + 4, ... (layer 0: the tokens, KRot0 and Vt; above: the nodes, KRotN and
+    NodesV from LayerOff[l], their winners flagged)."""
+    @T.macro
+    def walk(KRot0, Vt, KRotN, NodesV, Tn, NR, NN, Par, NCand, LayerOff, tables, smem, regs, b, ts, h, w, gr, tg,
+             num_lower):
+        parents = smem[0]
+        for li in T.serial(num_lower):
+            l = num_lower - 1 - li
+            n = NCand[l, b, ts, h]
+            T.sync_threads()  # every warp is done with the layer above's parents
+            for i in T.Parallel(parents.shape[0]):
+                parents[i] = Par[l, b, ts, h, i]
+            T.sync_threads()
+            for it in T.serial(T.ceildiv(T.max(T.ceildiv(n, 16) - w, 0), 4)):
+                p0 = (w + 4 * it) * 16
+                if l == 0:
+                    tile(KRot0, Vt, 0, Tn, Tn, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, False)
+                else:
+                    tile(KRotN, NodesV, LayerOff[l], NR, NN, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, True)
+
+    return walk

@@ -27,7 +27,8 @@ def children_tile(compression_rate: int) -> int:
 
 
 def htree_bwd_nodes_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, compression_rate: int,
-                           top_k_per_layer: int, scale: float, dtype: str, block_m: int = 64, threads: int = 128):
+                           top_k_per_layer: int, scale: float, dtype: str, block_m: int = 64, threads: int = 128,
+                           fp32_precision: str = "highest"):
     """AccK / AccV rows acc_off + node (fp32) += dK, dV of the layer's nodes from the slab's queries."""
     H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
     G = H // Hkv
@@ -37,7 +38,7 @@ def htree_bwd_nodes_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_h
     CT = children_tile(r)
     NCT = -(-r // CT)
     q_scale = scale * LOG2E
-    alloc, put, product, product_nn = tiles(dtype, T.GemmWarpPolicy.FullCol)
+    alloc, put, product, product_nn = tiles(dtype, T.GemmWarpPolicy.FullCol, fp32_precision)
     B, Tn, NN, NC, NA = T.dynamic("B"), T.dynamic("T"), T.dynamic("NN"), T.dynamic("NC"), T.dynamic("NA")
     LS, PB, PT, FN = T.dynamic("LS"), T.dynamic("PB"), T.dynamic("PT"), T.dynamic("FN")
     NP1, NE = T.dynamic("NP1"), T.dynamic("NE")

@@ -20,7 +20,7 @@ import tilelang.language as T  # noqa: E402
 
 def htree_bwd_rows_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, compression_rate: int,
                           top_k_per_layer: int, max_top_nodes: int, scale: float, dtype: str, block_n: int = 64,
-                          threads: int = 128):
+                          threads: int = 128, fp32_precision: str = "highest"):
     """dQ[b, t_start + ts] = scale * (the lower layers' dq) + DQ[b, ts] (the top layer's), in q's dtype."""
     H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
     top_k = top_k_per_layer
@@ -30,7 +30,7 @@ def htree_bwd_rows_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_he
     log_r = int(math.log2(r))
     nbuf = 1 << pack_bits(r, top_k, max_top_nodes)
     q_scale = scale * LOG2E
-    alloc, put, product, product_nn = tiles(dtype, T.GemmWarpPolicy.FullCol)
+    alloc, put, product, product_nn = tiles(dtype, T.GemmWarpPolicy.FullCol, fp32_precision)
     B, Tn, NN, NC, TS = T.dynamic("B"), T.dynamic("T"), T.dynamic("NN"), T.dynamic("NC"), T.dynamic("TS")
     LS, PB, PT, FN = T.dynamic("LS"), T.dynamic("PB"), T.dynamic("PT"), T.dynamic("FN")
 

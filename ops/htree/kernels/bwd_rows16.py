@@ -21,7 +21,7 @@ for dq, so that 3 CTAs per SM fit without spills (168 registers) at G <= 8."""
 
 from ...common.hw import LOG2E
 from ..tree import MAX_LAYERS
-from .bwd_common import unrotate
+from .bwd_common import lower_layer_tiles, unrotate
 from .fragments import child, mma, rope_pair
 
 import tilelang.language as T  # noqa: E402
@@ -196,6 +196,8 @@ def htree_bwd_rows16_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
                     dq_x[(ks * NH + rr) * 2 + e] += lo
                     dq_y[(ks * NH + rr) * 2 + e] += hi
 
+    walk = lower_layer_tiles(tile)
+
     @T.prim_func
     def htree_bwd_rows16(Q: T.Tensor((B, Tn, H, K), dtype), dO: T.Tensor((B, Tn, H, V), dtype),
                          KRot0: T.Tensor((B, Hkv, Tn, K), dtype), Vt: T.Tensor((B, Tn, Hkv, V), dtype),
@@ -238,7 +240,6 @@ def htree_bwd_rows16_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
             win = T.alloc_local((4,), "int32")
             dq_x = T.alloc_local((KS * NH * 2,), "float32")  # this warp's dq: head rows gr (gr + 8), pairs kdim
             dq_y = T.alloc_local((KS * NH * 2,), "float32")
-            n = T.alloc_var("int32")
 
             tx = T.get_thread_binding()
             lane = tx % 32
@@ -264,19 +265,8 @@ def htree_bwd_rows16_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
             regs = (qx, qy, dx, dy, doa, lse2, dl, fc, fs, fk_x, fk_y, fv_x, fv_y, qa, kb, sc, dp, dsa, kt, cx, cy, win,
                     dq_x, dq_y)
             tables, smem = (Cos, Sin, Flags), (parents, q_sh, do_sh)
-            for li in T.serial(num_lower):
-                l = num_lower - 1 - li
-                n = NCand[l, b, ts, h]
-                T.sync_threads()  # every warp is done with the layer above's parents
-                for i in T.Parallel(top_k):
-                    parents[i] = Par[l, b, ts, h, i]
-                T.sync_threads()
-                for it in T.serial(T.ceildiv(T.max(T.ceildiv(n, 16) - w, 0), 4)):
-                    p0 = (w + 4 * it) * 16
-                    if l == 0:
-                        tile(KRot0, Vt, 0, Tn, Tn, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, False)
-                    else:
-                        tile(KRotN, NodesV, LayerOff[l], NR, NN, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, True)
+            walk(KRot0, Vt, KRotN, NodesV, Tn, NR, NN, Par, NCand, LayerOff, tables, smem, regs, b, ts, h, w, gr, tg,
+                 num_lower)
             # the warps' dq added in a fixed order (after dq_sh's zeros, also without lower layers)
             T.sync_threads()
             for ww in T.serial(4):

@@ -4,7 +4,8 @@ top-layer candidates are the nodes 0 .. t >> top_shift at buffer positions equal
 
 ``htree_bwd_top_rows_kernel`` lays the slab's query rows out once as both products take them: row r = (t - t_start) G
 + g of kv head h holds query head h G + g, q scaled by scale log2(e) and rotated at t >> top_shift, rounded to the
-operand dtype (fp32: the TF32 high part and its remainder, parts 0 and 1), dO likewise, lse log2(e) and D. The rows
+operand dtype (fp32 at "highest": the TF32 high part and its remainder, parts 0 and 1; at "high": rounded to
+TF32), dO likewise, lse log2(e) and D. The rows
 of a kv head are then contiguous, so the products' kernels stream them by TMA in a software pipeline.
 ``htree_bwd_top_dq_kernel``: one CTA per block of rows streams the top layer in chunks and accumulates
 dq_rot = sum dS k_rot, rotated back at the query's position t >> top_shift into a per-slab fp32 partial DQ (the
@@ -19,51 +20,57 @@ not winners: the winner flags of the slab, ``has_sel``), zero otherwise; dS = P 
 """
 
 from ...common.hw import LOG2E
-from .bwd_common import rotate, tiles, unrotate
-from .fragments import tf32_hi
+from .bwd_common import rotate, split_operands, tiles, unrotate
+from .fragments import tf32_hi, tf32_round
 
 import tilelang.language as T  # noqa: E402
 
 
-def operand_parts(dtype: str) -> int:
-    """Planes of a staged operand tensor: fp32 keeps its TF32 high part and the remainder, 16-bit one plane."""
-    return 2 if dtype == "float32" else 1
+def operand_parts(dtype: str, fp32_precision: str = "highest") -> int:
+    """Planes of a staged operand tensor: split fp32 keeps its TF32 high part and the remainder, else one plane."""
+    return 2 if split_operands(dtype, fp32_precision) else 1
 
 
-def _store(dtype: str):
+def _store(dtype: str, fp32_precision: str):
     """The macro storing fp32 x as element [.., i] of an operand tensor's planes ([P, ...])."""
+    split = split_operands(dtype, fp32_precision)
+
     @T.macro
     def store(x, dst, b, h, row, i):
-        if dtype == "float32":
+        if split:
             hi = tf32_hi(x)
             dst[0, b, h, row, i] = hi
             dst[1, b, h, row, i] = x - hi
+        elif dtype == "float32":
+            dst[0, b, h, row, i] = tf32_round(x)
         else:
             dst[0, b, h, row, i] = T.cast(x, dtype)
 
     return store
 
 
-def _load(dtype: str):
+def _load(dtype: str, fp32_precision: str):
     """The macro copying rows [r0, r0 + n) of an operand tensor's planes into a tile and its low halves."""
+    split = split_operands(dtype, fp32_precision)
+
     @T.macro
     def load(src, b, h, r0, n, dst, dst_lo):
         T.copy(src[0, b, h, r0:r0 + n, :], dst)
-        if dtype == "float32":
+        if split:
             T.copy(src[1, b, h, r0:r0 + n, :], dst_lo)
 
     return load
 
 
 def htree_bwd_top_rows_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, scale: float,
-                              dtype: str, block_r: int = 64, threads: int = 128):
+                              dtype: str, block_r: int = 64, threads: int = 128, fp32_precision: str = "highest"):
     """Qr, dOr [P, B, Hkv, R, .] (R = the slab's queries x G) and Ls, Ds [B, Hkv, RP] fp32 (RP >= R: rows padded to
     16-byte strides for TMA; the pad is not written) from the slab's queries t_start .. t_start + R / G - 1 (see the
     module's docstring)."""
     H, Hkv, K, V = num_heads, num_kv_heads, head_dim, v_head_dim
-    G, half, P = H // Hkv, K // 2, operand_parts(dtype)
+    G, half, P = H // Hkv, K // 2, operand_parts(dtype, fp32_precision)
     q_scale = scale * LOG2E
-    store = _store(dtype)
+    store = _store(dtype, fp32_precision)
     B, Tn, NC, R, RP = T.dynamic("B"), T.dynamic("T"), T.dynamic("NC"), T.dynamic("R"), T.dynamic("RP")
 
     @T.prim_func
@@ -120,12 +127,12 @@ def _merged(G: int, has_sel, f_s, q0, row, j, node, R, NT, t_start, top_shift):
 
 def htree_bwd_top_dq_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, scale: float,
                             dtype: str, block_m: int = 64, block_n: int = 64, num_stages: int = 2,
-                            threads: int = 128):
+                            threads: int = 128, fp32_precision: str = "highest"):
     """DQ[b, t - t_start, h] (fp32): the top layer's part of dq for the slab's queries, rotated back and scaled."""
     H, Hkv, K, V = num_heads, num_kv_heads, head_dim, v_head_dim
-    G, half, P = H // Hkv, K // 2, operand_parts(dtype)
-    alloc, put, product, product_nn = tiles(dtype, T.GemmWarpPolicy.FullRow)
-    load, load_flags, FQ = _load(dtype), _flags(G, block_m, block_n), _flag_rows(G, block_m)
+    G, half, P = H // Hkv, K // 2, operand_parts(dtype, fp32_precision)
+    alloc, put, product, product_nn = tiles(dtype, T.GemmWarpPolicy.FullRow, fp32_precision)
+    load, load_flags, FQ = _load(dtype, fp32_precision), _flags(G, block_m, block_n), _flag_rows(G, block_m)
     B, NT, NC, R, RP, TS = (T.dynamic("B"), T.dynamic("NT"), T.dynamic("NC"), T.dynamic("R"), T.dynamic("RP"),
                             T.dynamic("TS"))
     FB, FT, FN = T.dynamic("FB"), T.dynamic("FT"), T.dynamic("FN")
@@ -186,13 +193,14 @@ def htree_bwd_top_dq_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
 
 
 def htree_bwd_top_dkv_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, dtype: str,
-                             block_m: int = 64, block_n: int = 64, num_stages: int = 2, threads: int = 128):
+                             block_m: int = 64, block_n: int = 64, num_stages: int = 2, threads: int = 128,
+                             fp32_precision: str = "highest"):
     """AccK / AccV rows acc_off + node (fp32) += the top layer's dK (the node's rotated frame, log2 domain) and dV
     from the slab's rows."""
     H, Hkv, K, V = num_heads, num_kv_heads, head_dim, v_head_dim
-    G, P = H // Hkv, operand_parts(dtype)
-    alloc, put, product, product_nn = tiles(dtype, T.GemmWarpPolicy.FullRow)
-    load, load_flags, FQ = _load(dtype), _flags(G, block_m, block_n), _flag_rows(G, block_m)
+    G, P = H // Hkv, operand_parts(dtype, fp32_precision)
+    alloc, put, product, product_nn = tiles(dtype, T.GemmWarpPolicy.FullRow, fp32_precision)
+    load, load_flags, FQ = _load(dtype, fp32_precision), _flags(G, block_m, block_n), _flag_rows(G, block_m)
     B, NT, R, RP, NA = T.dynamic("B"), T.dynamic("NT"), T.dynamic("R"), T.dynamic("RP"), T.dynamic("NA")
     FB, FT, FN = T.dynamic("FB"), T.dynamic("FT"), T.dynamic("FN")
 

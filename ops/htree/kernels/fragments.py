@@ -26,6 +26,12 @@ def tf32_hi(x):
     return T.reinterpret(T.bitwise_and(T.reinterpret(x, "int32"), T.int32(-8192)), "float32")
 
 
+def tf32_round(x):
+    """fp32 x rounded to the nearest TF32 value (half a TF32 ulp added, low 13 mantissa bits cleared): a one-product
+    TF32 operand, rounded rather than truncated by the tensor cores."""
+    return T.reinterpret(T.bitwise_and(T.reinterpret(x, "int32") + T.int32(4096), T.int32(-8192)), "float32")
+
+
 @T.macro
 def split_halves(v, hi, lo, i):
     """hi[i], lo[i] = the split-TF32 halves of fp32 v (local buffers)."""
@@ -44,6 +50,29 @@ def mma(a, ai, b, bi, c, ci, dtype: str = "float32"):
     shape, ab = {"float32": ("m16n8k8", "tf32"), "float16": ("m16n8k16", "fp16"),
                  "bfloat16": ("m16n8k16", "bf16")}[dtype]
     return T.ptx_mma("float32", shape, "row", "col", ab, ab, "fp32", a.data, ai, b.data, bi, c.data, ci, False)
+
+
+def tf32_tiles(fp32_precision: str = "highest"):
+    """(operand, product) macros of the fp32 fragment kernels: operand(x, hi, lo, i) stores fp32 x as TF32 operand
+    element i (split halves at "highest", rounded at "high"); product(ah, al, ai, bh, bl, bi, c, ci) adds one
+    m16n8k8 tile, c[ci:ci+4] += a b (split: hi hi + hi lo + lo hi)."""
+    split = fp32_precision == "highest"
+
+    @T.macro
+    def operand(x, hi, lo, i):
+        if split:
+            split_halves(x, hi, lo, i)
+        else:
+            hi[i] = tf32_round(x)
+
+    @T.macro
+    def product(ah, al, ai, bh, bl, bi, c, ci):
+        mma(ah, ai, bh, bi, c, ci)
+        if split:
+            mma(ah, ai, bl, bi, c, ci)
+            mma(al, ai, bh, bi, c, ci)
+
+    return operand, product
 
 
 def child(parents, p, r: int, top_k: int):
