@@ -14,9 +14,10 @@ from ops.common.runtime import compile_kernel
 from ops.htree import HTreeBackwardTileLang, HTreeForwardTileLang, htree_attention
 from ops.htree.backward import top_dk_finish, top_operands
 from ops.htree.bwd_index import candidate_counts, parent_lists, slab_index
-from ops.htree.kernels.bwd_nodes32 import htree_bwd_nodes32_kernel, uses_nodes32
+from ops.htree.kernels.bwd_common import uses_fp32_fragments
+from ops.htree.kernels.bwd_nodes32 import htree_bwd_nodes32_kernel
 from ops.htree.kernels.bwd_rows16 import htree_bwd_rows16_kernel, uses_rows16
-from ops.htree.kernels.bwd_rows32 import htree_bwd_rows32_kernel, uses_rows32
+from ops.htree.kernels.bwd_rows32 import htree_bwd_rows32_kernel
 from ops.htree.tree import nodes_to_positions, positions_to_nodes
 
 
@@ -437,8 +438,9 @@ def test_backward_compiles_for_sm90a(bwd_op):
     assert all(kernel is not None for kernel in kernels.values())
     dtype, G = str(bwd_op.dtype)[6:], bwd_op.num_heads // bwd_op.num_kv_heads
     # (a) and (b): the rows kernel from fragments, with K rotated at the child index
-    frag = uses_rows16(dtype, bwd_op.compression_rate) or uses_rows32(dtype, bwd_op.head_dim, bwd_op.v_head_dim, G,
-                                                                      bwd_op.compression_rate)
+    frag = uses_rows16(dtype, bwd_op.compression_rate) or uses_fp32_fragments(dtype, bwd_op.head_dim,
+                                                                              bwd_op.v_head_dim, G,
+                                                                              bwd_op.compression_rate)
     assert len(kernels) == 10 + frag and ("rope_child" in kernels) == frag
 
 
@@ -448,7 +450,7 @@ def test_fp32_fragment_kernels_compile_for_sm90a(H, Hkv, K, V, r, precision):
     """htree_bwd_nodes32_kernel and htree_bwd_rows32_kernel (fp32, r >= 16) build at a GPU test's specification
     (two child tiles, K != V) and with TF32 products (the bench's (a): above)."""
     G = H // Hkv
-    assert uses_nodes32("float32", K, V, G, r) and uses_rows32("float32", K, V, G, r)
+    assert uses_fp32_fragments("float32", K, V, G, r)
     assert compile_kernel(htree_bwd_nodes32_kernel(H, Hkv, K, V, r, 4, K ** -0.5, precision)) is not None
     assert compile_kernel(htree_bwd_rows32_kernel(H, Hkv, K, V, r, 4, K ** -0.5, precision)) is not None
 

@@ -41,11 +41,11 @@ from ..common.validate import check_bool, check_choice, check_tensor, check_valu
 from .bwd_index import parent_lists, slab_index
 from .forward import set_spec
 from .kernels.bwd_nodes import LIST_SLOT_BITS, children_tile, htree_bwd_nodes_kernel
-from .kernels.bwd_nodes32 import htree_bwd_nodes32_kernel, uses_nodes32
+from .kernels.bwd_nodes32 import htree_bwd_nodes32_kernel
 from .kernels.bwd_rows import htree_bwd_rows_kernel
 from .kernels.bwd_rows16 import htree_bwd_rows16_kernel, uses_rows16
-from .kernels.bwd_rows32 import htree_bwd_rows32_kernel, uses_rows32
-from .kernels.bwd_common import FLAG_PAD, FP32_PRECISIONS, LN2, split_operands, unrotate
+from .kernels.bwd_rows32 import htree_bwd_rows32_kernel
+from .kernels.bwd_common import FLAG_PAD, FP32_PRECISIONS, LN2, split_operands, unrotate, uses_fp32_fragments
 from .kernels.bwd_top import (htree_bwd_top_dkv_kernel, htree_bwd_top_dq_kernel, htree_bwd_top_rows_kernel,
                                operand_parts)
 from .kernels.bwd_tree import htree_bwd_delta_kernel, htree_bwd_unpool_kernel
@@ -164,16 +164,16 @@ class HTreeBackwardTileLang(Op):
         H, Hkv, K, V, r = num_heads, num_kv_heads, head_dim, v_head_dim, compression_rate
         # r >= 16 (fp32: K, V <= 64, G <= 16): the rows and nodes kernels' products from register fragments, the
         # rows kernel's K rotated at the child index (the forward's htree_rope_kernel with period r)
+        fp32_frag = uses_fp32_fragments(tl_dtype, K, V, H // Hkv, r)
         if uses_rows16(tl_dtype, r):
             rows = htree_bwd_rows16_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, tl_dtype)
-        elif uses_rows32(tl_dtype, K, V, H // Hkv, r):
+        elif fp32_frag:
             rows = htree_bwd_rows32_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, **prec)
         else:
             rows = htree_bwd_rows_kernel(H, Hkv, K, V, r, top_k_per_layer, max_top_nodes, self.scale, tl_dtype,
                                          block_n=c["rows_block_n"], **prec)
-        child_frame = uses_rows16(tl_dtype, r) or uses_rows32(tl_dtype, K, V, H // Hkv, r)
-        nodes = (htree_bwd_nodes32_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, **prec)
-                 if uses_nodes32(tl_dtype, K, V, H // Hkv, r) else
+        child_frame = uses_rows16(tl_dtype, r) or fp32_frag
+        nodes = (htree_bwd_nodes32_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, **prec) if fp32_frag else
                  htree_bwd_nodes_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, tl_dtype,
                                         block_m=c["nodes_block_m"], **prec))
         top = dict(num_stages=c["top_stages"], threads=c["top_threads"], **prec)

@@ -21,6 +21,14 @@ FLAG_PAD = 16  # the winner flags' padding columns: the first takes the host's s
 FP32_PRECISIONS = ("highest", "high")  # torch.get_float32_matmul_precision's names ("medium" is taken as "high")
 
 
+def uses_fp32_fragments(dtype: str, head_dim: int, v_head_dim: int, num_groups: int, compression_rate: int) -> bool:
+    """Whether the backward's rows and nodes kernels are the fp32 register-fragment ones (``bwd_rows32``,
+    ``bwd_nodes32``): fp32, K and V in {32, 64} (what their registers hold), G <= 16 (one 16-row tile of heads) and
+    r >= 16 (a 16-row tile of candidates or children is one parent's)."""
+    return (dtype == "float32" and head_dim in (32, 64) and v_head_dim in (32, 64) and num_groups <= 16
+            and compression_rate >= 16)
+
+
 def split_operands(dtype: str, fp32_precision: str = "highest") -> bool:
     """Whether operands are split-TF32 halves (fp32 at "highest") rather than one plane."""
     return dtype == "float32" and fp32_precision == "highest"

@@ -1,4 +1,5 @@
-"""dK and dV of a layer below the top for fp32 with r >= 16 (``htree_bwd_nodes32_kernel``): the nodes kernel of
+"""dK and dV of a layer below the top for fp32 with r >= 16 (``htree_bwd_nodes32_kernel``; where:
+``bwd_common.uses_fp32_fragments``): the nodes kernel of
 ``bwd_nodes`` (the same launch arguments and result) with its four products as mma.sync m16n8k8 TF32 tiles whose
 operands go from the loads straight into the PTX register fragments, as the forward's ``htree_layer0_kernel``
 does: no shared memory and no barrier between an entry's loads and the tensor cores.
@@ -31,13 +32,6 @@ from .fragments import rope_pair, tf32_tiles
 import tilelang.language as T  # noqa: E402
 
 CHILDREN = 16  # children per CTA: the products' rows
-
-
-def uses_nodes32(dtype: str, head_dim: int, v_head_dim: int, num_groups: int, compression_rate: int) -> bool:
-    """Whether the nodes kernel is ``htree_bwd_nodes32_kernel``: fp32, K and V in {32, 64}, G <= 16 and r >= 16
-    (a parent's children fill whole 16-row tiles)."""
-    return (dtype == "float32" and head_dim in (32, 64) and v_head_dim in (32, 64) and num_groups <= 16
-            and compression_rate >= CHILDREN)
 
 
 def htree_bwd_nodes32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,

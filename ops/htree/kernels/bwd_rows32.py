@@ -1,4 +1,5 @@
-"""dq of the layers below the top for fp32 with r >= 16 (``htree_bwd_rows32_kernel``): the rows kernel of
+"""dq of the layers below the top for fp32 with r >= 16 (``htree_bwd_rows32_kernel``; where:
+``bwd_common.uses_fp32_fragments``): the rows kernel of
 ``bwd_rows`` (the same launch arguments and result as ``bwd_rows16``) with its three products as mma.sync m16n8k8
 TF32 tiles whose operands go from the loads straight into the PTX register fragments.
 
@@ -24,13 +25,6 @@ from .bwd_common import lower_layer_tiles, unrotate
 from .fragments import child, rope_pair, tf32_tiles
 
 import tilelang.language as T  # noqa: E402
-
-
-def uses_rows32(dtype: str, head_dim: int, v_head_dim: int, num_groups: int, compression_rate: int) -> bool:
-    """Whether the rows kernel is ``htree_bwd_rows32_kernel``: fp32, K and V in {32, 64}, G <= 16 and r >= 16 (a
-    16-candidate tile never spans two parents)."""
-    return (dtype == "float32" and head_dim in (32, 64) and v_head_dim in (32, 64) and num_groups <= 16
-            and compression_rate >= 16)
 
 
 def htree_bwd_rows32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, compression_rate: int,
