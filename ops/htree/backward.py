@@ -45,7 +45,7 @@ from .kernels.bwd_nodes32 import htree_bwd_nodes32_kernel
 from .kernels.bwd_rows import htree_bwd_rows_kernel
 from .kernels.bwd_rows16 import htree_bwd_rows16_kernel, uses_rows16
 from .kernels.bwd_rows32 import htree_bwd_rows32_kernel
-from .kernels.bwd_common import FLAG_PAD, FP32_PRECISIONS, LN2, split_operands, unrotate, uses_fp32_fragments
+from .kernels.bwd_common import FLAG_PAD, FP32_PRECISIONS, LN2, unrotate, uses_fp32_fragments
 from .kernels.bwd_top import (htree_bwd_top_dkv_kernel, htree_bwd_top_dq_kernel, htree_bwd_top_rows_kernel,
                                operand_parts)
 from .kernels.bwd_tree import htree_bwd_delta_kernel, htree_bwd_unpool_kernel
@@ -57,8 +57,8 @@ _SMEM_WS = 216 * 1024  # a warp-specialized top kernel's tiles (one CTA per SM)
 
 
 def _operand_bytes(dtype: str, fp32_precision: str = "highest") -> int:
-    """Shared bytes of one operand element: 16-bit, fp32 as two TF32 halves, or fp32 rounded to TF32."""
-    return 2 if dtype != "float32" else 8 if split_operands(dtype, fp32_precision) else 4
+    """Shared bytes of one operand element: its planes (``operand_parts``) of 4 (fp32) or 2 bytes."""
+    return operand_parts(dtype, fp32_precision) * (4 if dtype == "float32" else 2)
 
 
 def top_operands(top_k: torch.Tensor, top_v: torch.Tensor, top_off: int, dtype: torch.dtype,

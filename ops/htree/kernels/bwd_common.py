@@ -10,7 +10,7 @@ default fp32 dot computes) each operand is rounded to TF32 once and every produc
 the tensor-core work and half the operand bytes, with fp16's 10-bit mantissa."""
 
 from ...common.hw import LOG2E
-from .fragments import tf32_hi, tf32_round
+from .fragments import split_operands, tf32_hi, tf32_round
 
 import tilelang.language as T  # noqa: E402
 
@@ -27,11 +27,6 @@ def uses_fp32_fragments(dtype: str, head_dim: int, v_head_dim: int, num_groups: 
     r >= 16 (a 16-row tile of candidates or children is one parent's)."""
     return (dtype == "float32" and head_dim in (32, 64) and v_head_dim in (32, 64) and num_groups <= 16
             and compression_rate >= 16)
-
-
-def split_operands(dtype: str, fp32_precision: str = "highest") -> bool:
-    """Whether operands are split-TF32 halves (fp32 at "highest") rather than one plane."""
-    return dtype == "float32" and fp32_precision == "highest"
 
 
 def tiles(dtype: str, policy=None, fp32_precision: str = "highest"):

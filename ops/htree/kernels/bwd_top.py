@@ -20,8 +20,8 @@ not winners: the winner flags of the slab, ``has_sel``), zero otherwise; dS = P 
 """
 
 from ...common.hw import LOG2E
-from .bwd_common import rotate, split_operands, tiles, unrotate
-from .fragments import tf32_hi, tf32_round
+from .bwd_common import rotate, tiles, unrotate
+from .fragments import split_operands, tf32_hi, tf32_round
 
 import tilelang.language as T  # noqa: E402
 

@@ -52,11 +52,16 @@ def mma(a, ai, b, bi, c, ci, dtype: str = "float32"):
     return T.ptx_mma("float32", shape, "row", "col", ab, ab, "fp32", a.data, ai, b.data, bi, c.data, ci, False)
 
 
+def split_operands(dtype: str, fp32_precision: str = "highest") -> bool:
+    """Whether operands are split-TF32 halves (fp32 at "highest") rather than one plane."""
+    return dtype == "float32" and fp32_precision == "highest"
+
+
 def tf32_tiles(fp32_precision: str = "highest"):
     """(operand, product) macros of the fp32 fragment kernels: operand(x, hi, lo, i) stores fp32 x as TF32 operand
     element i (split halves at "highest", rounded at "high"); product(ah, al, ai, bh, bl, bi, c, ci) adds one
     m16n8k8 tile, c[ci:ci+4] += a b (split: hi hi + hi lo + lo hi)."""
-    split = fp32_precision == "highest"
+    split = split_operands("float32", fp32_precision)
 
     @T.macro
     def operand(x, hi, lo, i):
