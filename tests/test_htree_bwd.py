@@ -12,7 +12,7 @@ from golden.htree import apply_rope, build_tree, htree_forward, num_layers, pack
 from ops.common.protocol import Op, op_class
 from ops.common.runtime import compile_kernel
 from ops.htree import HTreeBackwardTileLang, HTreeForwardTileLang, htree_attention
-from ops.htree.backward import top_dk_finish, top_operands
+from ops.htree.backward import _transposed, top_dk_finish, top_operands
 from ops.htree.bwd_index import candidate_counts, parent_lists, slab_index
 from ops.htree.kernels.bwd_common import uses_fp32_fragments
 from ops.htree.kernels.bwd_nodes32 import htree_bwd_nodes32_kernel
@@ -193,6 +193,9 @@ def test_top_operands_planes():
                 assert torch.equal(planes[0] + planes[1], x)
         else:
             assert torch.equal(ks[0], top_k) and torch.equal(vs[0], want_v) and vs.is_contiguous()
+    # the fp32 top dq kernel's B operand: planes transposed, rows padded to a multiple of 4 with zeros
+    t = _transposed(vs)
+    assert t.shape == (2, B, Hkv, V, 8) and torch.equal(t[..., :NT], vs.transpose(-1, -2)) and (t[..., NT:] == 0).all()
     x = torch.randn(B, Hkv, NT, K, generator=g, dtype=torch.float64)
     ks, _ = top_operands(x.float(), top_v.float(), off, torch.float32, "high")
     assert ks.shape == (1, B, Hkv, NT, K) and ((ks[0].view(torch.int32) & 8191) == 0).all()

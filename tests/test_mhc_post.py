@@ -136,6 +136,9 @@ def test_constructor_validation(cls, kwargs, err, match):
     (MHCPostBackwardTileLang, {"unroll": 0}, r"config\['unroll'\]: expected >= 1"),
     (MHCPostPreTileLang, {"block_k": 48}, r"config\['block_k'\]"),
     (MHCPostPreTileLang, {"block_k": 128, "num_stages": 4}, "bytes of shared memory"),
+    (MHCPostPreTileLang, {"block_t": 96}, r"config\['block_t'\]"),
+    (MHCPostPreTileLang, {"threads": 384}, r"config\['threads'\]"),
+    (MHCPostPreTileLang, {"block_t": 128, "threads": 128, "block_k": 16}, "a warpgroup"),
 ])
 def test_config_validation(cls, config, match):
     with pytest.raises(ValueError, match=match):
@@ -243,7 +246,8 @@ def test_post_mix_tiling_fits():
         cfg = post_mix_default_config(n)
         assert cfg["num_stages"] >= 2 and post_mix_smem_bytes(n, **cfg) <= SMEM_BUDGET
         assert all(post_mix_smem_bytes(n, **c) <= SMEM_BUDGET for c in post_mix_config_space(n))
-    assert post_mix_default_config(4) == {"block_k": 64, "num_stages": 2}
+    assert post_mix_default_config(4) == {"block_t": 128, "threads": 256, "block_k": 32, "num_stages": 2}
+    assert post_mix_default_config(8)["block_t"] == 64  # 128-token tiles do not fit two stages at n = 8
 
 
 # ----------------------------------------------------------------------------- custom ops (CPU: fakes)

@@ -85,6 +85,15 @@ def top_operands(top_k: torch.Tensor, top_v: torch.Tensor, top_off: int, dtype: 
     return planes(top_k), planes(v)
 
 
+def _transposed(planes: torch.Tensor) -> torch.Tensor:
+    """Operand planes [P, B, Hkv, rows, dims] as [P, B, Hkv, dims, rows'] (rows' padded to a multiple of 4: the TMA
+    copies' 16-byte strides): the fp32 top dq kernel's B operand (a TF32 wgmma takes B K-major only)."""
+    P, B, Hkv, n, d = planes.shape
+    out = planes.new_zeros(P, B, Hkv, d, -(-n // 4) * 4)
+    out[..., :n] = planes.transpose(-1, -2)
+    return out
+
+
 def top_dk_finish(acc_k: torch.Tensor, acc_off: int, num_nodes: int, cos: torch.Tensor, sin: torch.Tensor):
     """The top layer's accumulated dK rows (``htree_bwd_top_dkv_kernel``: the node's rotated frame, log2 domain)
     rotated back at the node's index and scaled by ln(2), in place."""
@@ -139,6 +148,10 @@ class HTreeBackwardTileLang(Op):
                            if max(dq_bytes(bm, bn, 1), dkv_bytes(bn, bm, 1)) <= _SMEM // 2), (16, 16))
             top = dict(top_dq_block_m=bm, top_dq_block_n=bn, top_dkv_block_n=bn, top_dkv_block_m=bm, top_stages=1,
                        top_threads=128)
+            if spec["dtype"] == "float32":
+                # dq on TF32 warpgroup products: one 64-row warpgroup tile, the top layer's K also transposed
+                top["top_dq_block_m"] = 64
+                top["top_dq_block_n"] = next((n for n in (64, 32) if dq_bytes(64, n, 1) + K * n * e <= _SMEM // 2), 16)
         rows = next((bn for bn in (64, 32) if ((16 + bn) * (K + V) + 16 * bn) * e + 8 * 16 * K <= _SMEM // 2), 32)
         ct = children_tile(spec["compression_rate"])
         # The nodes kernel's rows are staged twice: as gathered (the pipeline's copy) and as operands. 32 rows
@@ -251,6 +264,7 @@ class HTreeBackwardTileLang(Op):
         top_v, top_off = (nodes_v, offs[-1]) if L > 1 else (v, 0)
         rows_k = self._rows_keys(k, nodes_k, cos, sin, offs, sizes)
         top_ks, top_vs = top_operands(top, top_v, top_off, self.dtype, self.fp32_precision)
+        top_kt = _transposed(top_ks) if self.dtype == torch.float32 else top_ks.new_zeros(1, 1, 1, 1, 1)
         slab = self._slab_rows(B, L)
         P, G = operand_parts(self.spec["dtype"], self.fp32_precision), H // Hkv
         for t0 in range(0, T, slab):
@@ -272,8 +286,8 @@ class HTreeBackwardTileLang(Op):
             lse_rows, dl_rows = torch.empty(B, Hkv, rp, **f32), torch.empty(B, Hkv, rp, **f32)
             self.top_rows(q, do, lse, dl, cos, sin, q_rows, do_rows, lse_rows, dl_rows, shift, t0)
             dq_top = torch.empty(B, S, H, K, **f32)
-            self.top_dq(q_rows, do_rows, lse_rows, dl_rows, top_ks, top_vs, cos, sin, flags_top, dq_top, shift, t0,
-                        int(L > 1))
+            self.top_dq(q_rows, do_rows, lse_rows, dl_rows, top_ks, top_vs, top_kt, cos, sin, flags_top, dq_top, shift,
+                        t0, int(L > 1))
             self.top_dkv(q_rows, do_rows, lse_rows, dl_rows, top_ks, top_vs, flags_top, acc_k, acc_v, shift,
                          acc_off[-1], t0, int(L > 1))
             del q_rows, do_rows, lse_rows, dl_rows

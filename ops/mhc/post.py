@@ -207,17 +207,27 @@ def post_mix_smem_bytes(n: int, block_k: int, num_stages: int, block_t: int = _M
 
 
 def post_mix_config_space(n: int) -> list[dict]:
-    """Chunk widths dividing _D_PAD (phi's padding) and 1-4 stages, within shared memory."""
-    return [dict(block_k=bk, num_stages=s) for bk in (16, 32, 64, 128) for s in range(1, 5)
-            if post_mix_smem_bytes(n, bk, s) <= SMEM_BUDGET]
+    """Chunk widths dividing _D_PAD (phi's padding), 1-4 stages, 64 or 128 tokens a tile (phi is read once per
+    tile) and one to four warpgroups (at least one per 64 tokens), within shared memory."""
+    tiles = ((64, 128), (64, 256), (64, 512), (128, 256), (128, 512))  # (block_t, threads)
+    return [dict(block_t=bt, threads=th, block_k=bk, num_stages=s) for bt, th in tiles
+            for bk in (16, 32, 64, 128) for s in range(1, 5) if post_mix_smem_bytes(n, bk, s, bt) <= SMEM_BUDGET]
 
 
 def post_mix_default_config(n: int) -> dict:
-    """The widest chunk (up to 64 columns) with two stages in shared memory (at n = 4: 64 columns, 181 KB),
-    and a third stage where it also fits."""
+    """Two warpgroups (the new residual's elementwise work is what bounds one: H200, n = 4, D = 4096, 730 -> 578 us)
+    on 128-token tiles (phi read half as often: 571 us) where two stages of at least 32 columns fit, else on
+    64-token tiles; the widest chunk up to 64 columns, two stages, a third where it also fits
+    (docs/design/mhc_post.md)."""
     space = post_mix_config_space(n)
-    bk = max(c["block_k"] for c in space if c["num_stages"] >= 2 and c["block_k"] <= 64)
-    return dict(block_k=bk, num_stages=min(3, max(c["num_stages"] for c in space if c["block_k"] == bk)))
+    for bt, th in ((128, 256), (64, 256), (64, 128)):
+        fits = [c for c in space if c["block_t"] == bt and c["threads"] == th and c["num_stages"] >= 2
+                and (32 if bt == 128 else 16) <= c["block_k"] <= 64]
+        if fits:
+            bk = max(c["block_k"] for c in fits)
+            return dict(block_t=bt, threads=th, block_k=bk,
+                        num_stages=min(3, max(c["num_stages"] for c in fits if c["block_k"] == bk)))
+    raise ValueError(f"n: expected a stream count whose tiles fit in shared memory, got {n}")
 
 
 class MHCPostPreTileLang(Op):
@@ -260,6 +270,10 @@ class MHCPostPreTileLang(Op):
         # As for the pre, sinkhorn_iters is not part of the spec: it changes neither the tunable kernel nor its config.
         self.spec = {"n": n, "D": D, "rms_eps": rms_eps, "hc_eps": hc_eps}
         self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
+        check_choice("config['block_t']", self.config["block_t"], (64, 128))
+        check_choice("config['threads']", self.config["threads"], (128, 256, 512))
+        if self.config["block_t"] > self.config["threads"] // 2:
+            raise ValueError(f"config: expected a warpgroup (128 threads) per 64 tokens of block_t, got {self.config}")
         check_choice("config['block_k']", self.config["block_k"], (16, 32, 64, 128))
         check_int("config['num_stages']", self.config["num_stages"], lo=1, hi=4)
         smem = post_mix_smem_bytes(n, **self.config)

@@ -29,18 +29,21 @@ def uses_fp32_fragments(dtype: str, head_dim: int, v_head_dim: int, num_groups: 
             and compression_rate >= 16)
 
 
-def tiles(dtype: str, policy=None, fp32_precision: str = "highest"):
+def tiles(dtype: str, policy=None, fp32_precision: str = "highest", tf32_typed: bool = False):
     """(alloc, put, product, product_nn) for operands of ``dtype``:
     alloc(shape) -> (tile, lo): a shared operand tile and, for fp32, the tile of its low halves (else a stub);
     put(x, dst, dst_lo, i, j): store fp32 x as the operand element (i, j) (fp32 at "high": rounded to TF32);
     product(a, a_lo, b, b_lo, acc): acc += a @ b^T (fp32: three TF32 products), with the warp policy given;
-    product_nn(a, a_lo, b, b_lo, acc): acc += a @ b."""
+    product_nn(a, a_lo, b, b_lo, acc): acc += a @ b.
+    tf32_typed: fp32 tiles typed TF32, which TileLang multiplies with wgmma (``product`` only: a TF32 warpgroup
+    product takes both operands K-major)."""
     split = split_operands(dtype, fp32_precision)
     rounded = dtype == "float32" and not split
     kw = {} if policy is None else {"policy": policy}
+    tile_dtype = T.tfloat32 if tf32_typed and dtype == "float32" else dtype
 
     def alloc(shape):
-        return T.alloc_shared(shape, dtype), T.alloc_shared(shape if split else (1, 1), dtype)
+        return T.alloc_shared(shape, tile_dtype), T.alloc_shared(shape if split else (1, 1), tile_dtype)
 
     @T.macro
     def put(x, dst, dst_lo, i, j):

@@ -62,6 +62,20 @@ def _load(dtype: str, fp32_precision: str):
     return load
 
 
+def _load_t(dtype: str, fp32_precision: str):
+    """The macro copying columns [c0, c0 + n) of a transposed operand tensor's planes ([P, B, Hkv, dims, rows])
+    into a tile [dims, n] and its low halves."""
+    split = split_operands(dtype, fp32_precision)
+
+    @T.macro
+    def load_t(src, b, h, c0, n, dst, dst_lo):
+        T.copy(src[0, b, h, :, c0:c0 + n], dst)
+        if split:
+            T.copy(src[1, b, h, :, c0:c0 + n], dst_lo)
+
+    return load_t
+
+
 def htree_bwd_top_rows_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, scale: float,
                               dtype: str, block_r: int = 64, threads: int = 128, fp32_precision: str = "highest"):
     """Qr, dOr [P, B, Hkv, R, .] (R = the slab's queries x G) and Ls, Ds [B, Hkv, RP] fp32 (RP >= R: rows padded to
@@ -128,19 +142,26 @@ def _merged(G: int, has_sel, f_s, q0, row, j, node, R, NT, t_start, top_shift):
 def htree_bwd_top_dq_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, scale: float,
                             dtype: str, block_m: int = 64, block_n: int = 64, num_stages: int = 2,
                             threads: int = 128, fp32_precision: str = "highest"):
-    """DQ[b, t - t_start, h] (fp32): the top layer's part of dq for the slab's queries, rotated back and scaled."""
+    """DQ[b, t - t_start, h] (fp32): the top layer's part of dq for the slab's queries, rotated back and scaled.
+    fp32: the products on TF32 warpgroup MMAs (wgmma), whose B operand is K-major only: dq = dS K takes the top
+    layer's K transposed (TopKT [P, B, Hkv, K, NT'], ``backward._transposed``); other dtypes take a placeholder."""
     H, Hkv, K, V = num_heads, num_kv_heads, head_dim, v_head_dim
     G, half, P = H // Hkv, K // 2, operand_parts(dtype, fp32_precision)
-    alloc, put, product, product_nn = tiles(dtype, T.GemmWarpPolicy.FullRow, fp32_precision)
+    wg = dtype == "float32"
+    odt = T.tfloat32 if wg else dtype  # operands typed TF32: TileLang multiplies them with wgmma
+    alloc, put, product, product_nn = tiles(dtype, T.GemmWarpPolicy.FullRow, fp32_precision, tf32_typed=wg)
     load, load_flags, FQ = _load(dtype, fp32_precision), _flags(G, block_m, block_n), _flag_rows(G, block_m)
+    load_t = _load_t(dtype, fp32_precision)
     B, NT, NC, R, RP, TS = (T.dynamic("B"), T.dynamic("NT"), T.dynamic("NC"), T.dynamic("R"), T.dynamic("RP"),
                             T.dynamic("TS"))
     FB, FT, FN = T.dynamic("FB"), T.dynamic("FT"), T.dynamic("FN")
+    TKT = [T.dynamic(f"TKT{i}") for i in range(5)]
 
     @T.prim_func
-    def htree_bwd_top_dq(Qr: T.Tensor((P, B, Hkv, R, K), dtype), dOr: T.Tensor((P, B, Hkv, R, V), dtype),
+    def htree_bwd_top_dq(Qr: T.Tensor((P, B, Hkv, R, K), odt), dOr: T.Tensor((P, B, Hkv, R, V), odt),
                          Ls: T.Tensor((B, Hkv, RP), "float32"), Ds: T.Tensor((B, Hkv, RP), "float32"),
-                         TopK: T.Tensor((P, B, Hkv, NT, K), dtype), TopV: T.Tensor((P, B, Hkv, NT, V), dtype),
+                         TopK: T.Tensor((P, B, Hkv, NT, K), odt), TopV: T.Tensor((P, B, Hkv, NT, V), odt),
+                         TopKT: T.Tensor(TKT, odt),
                          Cos: T.Tensor((NC, half), "float32"), Sin: T.Tensor((NC, half), "float32"),
                          Flags: T.Tensor((FB, FT, Hkv, FN), "int8"), DQ: T.Tensor((B, TS, H, K), "float32"),
                          top_shift: T.int32, t_start: T.int32, has_sel: T.int32):
@@ -150,6 +171,7 @@ def htree_bwd_top_dq_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
             k_s, k_lo = alloc((block_n, K))
             v_s, v_lo = alloc((block_n, V))
             ds_s, ds_lo = alloc((block_m, block_n))
+            kt_s, kt_lo = alloc((K, block_n) if wg else (1, 1))
             lse_s = T.alloc_shared((block_m,), "float32")
             dl_s = T.alloc_shared((block_m,), "float32")
             f_s = T.alloc_shared((FQ, block_n), "int8")
@@ -169,6 +191,8 @@ def htree_bwd_top_dq_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
             for c in T.Pipelined(T.ceildiv(n_max, block_n), num_stages=num_stages):
                 load(TopK, b, h, c * block_n, block_n, k_s, k_lo)
                 load(TopV, b, h, c * block_n, block_n, v_s, v_lo)
+                if wg:
+                    load_t(TopKT, b, h, c * block_n, block_n, kt_s, kt_lo)
                 load_flags(Flags, b, h, q0, c * block_n, FB, f_s)
                 T.clear(acc_s)
                 T.clear(acc_dp)
@@ -179,7 +203,10 @@ def htree_bwd_top_dq_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
                     # a select, not a product: the rows past R hold no lse or D
                     put(T.if_then_else(keep, T.exp2(acc_s[m, j] - lse_s[m]) * (acc_dp[m, j] - dl_s[m]), 0.0), ds_s,
                         ds_lo, m, j)
-                product_nn(ds_s, ds_lo, k_s, k_lo, acc_dq)
+                if wg:
+                    product(ds_s, ds_lo, kt_s, kt_lo, acc_dq)
+                else:
+                    product_nn(ds_s, ds_lo, k_s, k_lo, acc_dq)
             T.copy(acc_dq, dq_sh)
             for m, i in T.Parallel(block_m, half):
                 row = r0 + m

@@ -19,7 +19,12 @@ import tilelang.language as T  # noqa: E402
 def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: int = 64, block_k: int = 64,
                         num_stages: int = 2, threads: int = 128):
     """The new residual, h_pre, h_post and the comb logits of the next pre, from the post's inputs (module
-    docstring). `block_k` divides _D_PAD (phi's split copy is zero past D; the TMA loads zero-fill past D)."""
+    docstring). `block_k` divides _D_PAD (phi's split copy is zero past D; the TMA loads zero-fill past D).
+    `threads` / 128 warpgroups share the tile's elementwise work and split the product's 64-row wgmma tiles: by
+    rows where block_t = 64 per warpgroup, by h_mix's columns at block_t = 64, else both."""
+    wg = threads // 128
+    policy = (T.GemmWarpPolicy.FullRow if block_t == 64 * wg else
+              T.GemmWarpPolicy.FullCol if block_t == 64 else T.GemmWarpPolicy.Square)
     N, NG = n * n + 2 * n, phi_split_rows(n)
     Dp = _round_up(D, _D_PAD)
     d_chunks = -(-D // block_k)
@@ -57,9 +62,12 @@ def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: 
 
             # The tile's post weights, before the pipelined loop (rows of under 16 bytes are no TMA copies, which
             # must stay out of it; rows past the last token read as zero).
-            for t, k in T.Parallel(block_t, n):
+            # (flat loops: a [block_t, n, n] parallel loop has no thread layout for every n and thread count)
+            for e in T.Parallel(block_t * n):
+                t, k = e // n, e % n
                 post_s[t, k] = T.if_then_else(t0 + t < num_tokens, Post[T.min(t0 + t, num_tokens - 1), k], 0.0)
-            for t, j, k in T.Parallel(block_t, n, n):
+            for e in T.Parallel(block_t * n * n):
+                t, j, k = e // (n * n), e // n % n, e % n
                 comb_s[t, j, k] = T.if_then_else(t0 + t < num_tokens, Comb[T.min(t0 + t, num_tokens - 1), j, k], 0.0)
             T.clear(mix2)
             T.clear(sq)
@@ -88,7 +96,7 @@ def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: 
                 # tiles back after the wait, not after the (asynchronous) issue.
                 for _ in T.serial(1):
                     for i in streams:
-                        T.wgmma_gemm(xs[i], phs[i], mix2, transpose_B=True)
+                        T.wgmma_gemm(xs[i], phs[i], mix2, transpose_B=True, policy=policy)
                     T.wait_wgmma(0)
             T.reduce_sum(sq, sumsq, dim=1)
 
