@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common.grouping import group_by_key
 from ..common.protocol import Op
 from ..common.validate import check_bool, check_tensor, check_values
 from ..common.runtime import NO_WARP_SPECIALIZATION, compile_kernel
@@ -196,7 +197,5 @@ def page_entries(ids: torch.Tensor, num_pages: int):
     dev = ids.device
     groups = Hkv * num_pages
     head = torch.arange(Hkv, dtype=torch.int32, device=dev)[None, :, None] * num_pages
-    key = torch.where(ids >= 0, head + ids, groups).reshape(-1)
-    key, order = key.sort(stable=True)
-    group_start = torch.searchsorted(key, torch.arange(groups + 1, dtype=torch.int32, device=dev), out_int32=True)
+    group_start, order = group_by_key(torch.where(ids >= 0, head + ids, groups), groups)
     return group_start, (order // (Hkv * K)).to(torch.int32), (order % K).to(torch.int32)

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..common.grouping import group_by_key
 from .kernels.bwd_common import FLAG_PAD
 from .kernels.bwd_nodes import LIST_SLOT_BITS
 
@@ -89,10 +90,8 @@ def parent_lists(par: torch.Tensor, num_parents: int) -> tuple[torch.Tensor, tor
     key_dtype = torch.int32 if n_keys < 2 ** 31 - 1 else torch.int64
     base = ((torch.arange(B, device=dev) * Hkv).view(B, 1, 1, 1) + torch.arange(Hkv, device=dev).view(1, 1, Hkv, 1)) \
         * num_parents
-    key = torch.where(par >= 0, base + par, n_keys).to(key_dtype)
-    sorted_keys, perm = torch.sort(key.flatten(), stable=True)
-    bounds = torch.searchsorted(sorted_keys, torch.arange(n_keys + 1, device=dev, dtype=key_dtype))
+    bounds, perm = group_by_key(torch.where(par >= 0, base + par, n_keys).to(key_dtype), n_keys)
     start = bounds[(base.view(B, Hkv, 1) + torch.arange(num_parents + 1, device=dev)).clamp_max(n_keys)]
     query = (perm // (Hkv * top_k)) % S
     entries = ((query << LIST_SLOT_BITS) | (perm % top_k)).to(torch.int32)
-    return start.to(torch.int32), entries
+    return start, entries

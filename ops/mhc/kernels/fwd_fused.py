@@ -10,6 +10,7 @@ from the chunks still in shared memory. Clusters are persistent, as many as the 
 
 from ...common import runtime  # noqa: F401  (the kernel cache dir before TileLang is imported)
 from ..tiling import _CLUSTER, _FUSED_K, _FUSED_T, fused_chunks, phi_split_rows
+from . import weights
 
 import tilelang.language as T  # noqa: E402
 
@@ -91,20 +92,20 @@ def mhc_pre_fused_kernel(n: int, D: int, rms_eps: float, hc_eps: float, x_slots:
         for g, j in T.Parallel(G, NG):
             t = t0 + rank * G + g
             mix = sum(recv[r, g, j] for r in range(C))
-            inv_rms = T.rsqrt(sum(recv[r, g, NG] for r in range(C)) / (n * D) + rms_eps)
+            inv_rms = weights.inv_rms(sum(recv[r, g, NG] for r in range(C)), n, D, rms_eps)
             if j < n:
-                hpre_own[g, j] = T.sigmoid(Alpha[0] * inv_rms * mix + Bias[j]) + hc_eps
+                hpre_own[g, j] = weights.h_pre(Alpha, inv_rms, mix, Bias[j], hc_eps)
             if t < num_tokens:
                 if j < N:
                     HMix[t, j] = mix
                 if j == 0:
                     InvRms[t] = inv_rms
                 if j < n:
-                    HPre[t, j] = T.sigmoid(Alpha[0] * inv_rms * mix + Bias[j]) + hc_eps
+                    HPre[t, j] = weights.h_pre(Alpha, inv_rms, mix, Bias[j], hc_eps)
                 elif j < 2 * n:
-                    HPost[t, j - n] = 2 * T.sigmoid(Alpha[1] * inv_rms * mix + Bias[j])
+                    HPost[t, j - n] = weights.h_post(Alpha, inv_rms, mix, Bias[j])
                 elif j < N:
-                    HRes[t, j - 2 * n] = Alpha[2] * inv_rms * mix + Bias[j]
+                    HRes[t, j - 2 * n] = weights.h_res_logit(Alpha, inv_rms, mix, Bias[j])
         T.fence_proxy_async()
         T.sync_threads(1, 128)
         for r in T.unroll(C):

@@ -11,6 +11,7 @@ split order and runs the epilogue: no CTA waits for another, and the sums are bi
 from ...common import runtime  # noqa: F401  (the kernel cache dir before TileLang is imported)
 from ..tiling import _D_PAD, _SIDE_D, _round_up, phi_split_rows
 from .sinkhorn import sinkhorn_project
+from . import weights
 
 import tilelang.language as T  # noqa: E402
 
@@ -49,9 +50,6 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
     num_tokens = T.dynamic("num_tokens")
     part_len, count_tiles = T.dynamic("part_len"), T.dynamic("count_tiles")
     project = sinkhorn_project(n, sinkhorn_iters, hc_eps) if sinkhorn_iters else None
-
-    def inv_rms(sumsq):  # a token's rsqrt(mean(x^2) + rms_eps) over its n * D values
-        return T.rsqrt(sumsq / (n * D) + rms_eps)
 
     @T.prim_func
     def mhc_pre_mix(
@@ -128,19 +126,19 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
                 T.sync_threads()
             for t, r in T.Parallel(block_t, NG):
                 if (splits == 1 or last[0] == 1) and t0 + t < num_tokens and r < N:
-                    rms = inv_rms(sumsq_s[t])
+                    rms = weights.inv_rms(sumsq_s[t], n, D, rms_eps)
                     HMix[t0 + t, r] = mix_s[t, r]
                     if r == 0:
                         InvRms[t0 + t] = rms
                     if r < n:
-                        h_pre = T.sigmoid(Alpha[0] * rms * mix_s[t, r] + Bias[r]) + hc_eps
+                        h_pre = weights.h_pre(Alpha, rms, mix_s[t, r], Bias[r], hc_eps)
                         HPre[t0 + t, r] = h_pre
                         if apply:
                             hpre_s[t, r] = h_pre
                     elif r < 2 * n:
-                        HPost[t0 + t, r - n] = 2 * T.sigmoid(Alpha[1] * rms * mix_s[t, r] + Bias[r])
+                        HPost[t0 + t, r - n] = weights.h_post(Alpha, rms, mix_s[t, r], Bias[r])
                     elif not sinkhorn_iters:
-                        HRes[t0 + t, r - 2 * n] = Alpha[2] * rms * mix_s[t, r] + Bias[r]
+                        HRes[t0 + t, r - 2 * n] = weights.h_res_logit(Alpha, rms, mix_s[t, r], Bias[r])
             if sinkhorn_iters:  # comb from the logits, a token per thread (mix_s and sumsq_s are only read)
                 p = T.alloc_local((n * n,), "float32")
                 q = T.alloc_local((n,), "float32")
@@ -148,7 +146,7 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
                 for i in T.serial(T.ceildiv(block_t, threads)):
                     tt = i * threads + T.get_thread_binding()
                     if (splits == 1 or last[0] == 1) and tt < block_t and t0 + tt < num_tokens:
-                        scale = Alpha[2] * inv_rms(sumsq_s[tt])
+                        scale = Alpha[2] * weights.inv_rms(sumsq_s[tt], n, D, rms_eps)
                         for e in T.unroll(n * n):
                             p[e] = scale * mix_s[tt, 2 * n + e] + Bias[2 * n + e]
                         project(p, q, d)

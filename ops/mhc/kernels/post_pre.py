@@ -12,6 +12,7 @@ tile. The design and what was weighed against it: docs/design/mhc.md (mHC post s
 
 from ...common import runtime  # noqa: F401  (the kernel cache dir before TileLang is imported)
 from ..tiling import _D_PAD, _round_up, phi_split_rows
+from . import weights
 
 import tilelang.language as T  # noqa: E402
 
@@ -105,13 +106,13 @@ def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: 
                 sumsq_s[t] = sumsq[t]
             for t, r in T.Parallel(block_t, NG):
                 if t0 + t < num_tokens and r < N:
-                    inv_rms = T.rsqrt(sumsq_s[t] / (n * D) + rms_eps)
+                    inv_rms = weights.inv_rms(sumsq_s[t], n, D, rms_eps)
                     mix = mix2_s[t, r] + mix2_s[t, NG + r]
                     if r < n:
-                        HPre[t0 + t, r] = T.sigmoid(Alpha[0] * inv_rms * mix + Bias[r]) + hc_eps
+                        HPre[t0 + t, r] = weights.h_pre(Alpha, inv_rms, mix, Bias[r], hc_eps)
                     elif r < 2 * n:
-                        HPost[t0 + t, r - n] = 2 * T.sigmoid(Alpha[1] * inv_rms * mix + Bias[r])
+                        HPost[t0 + t, r - n] = weights.h_post(Alpha, inv_rms, mix, Bias[r])
                     else:
-                        HRes[t0 + t, r - 2 * n] = Alpha[2] * inv_rms * mix + Bias[r]
+                        HRes[t0 + t, r - 2 * n] = weights.h_res_logit(Alpha, inv_rms, mix, Bias[r])
 
     return mhc_post_mix
