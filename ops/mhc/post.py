@@ -194,10 +194,7 @@ class MHCPostBackwardTileLang(Op):
 
 
 # ----------------------------------------------------------------------------- post -> pre (inference)
-_MIX_T = 64  # tokens per tile of the fused kernel: one wgmma M for its one consumer warpgroup
-
-
-def post_mix_smem_bytes(n: int, block_k: int, num_stages: int, block_t: int = _MIX_T, **_) -> int:
+def post_mix_smem_bytes(n: int, block_k: int, num_stages: int, block_t: int, **_) -> int:
     """Shared memory of `mhc_post_mix`: per stage the residual's n tiles, the layer output's and phi's [hi; lo]
     tile of every stream; once the new residual's n tiles and the post weights, whose space the epilogue's
     h_mix reuses (checked against TileLang's allocation)."""

@@ -2,13 +2,13 @@
 
 Per tile of `block_t` tokens, streaming over D in chunks of `block_k` columns (TileLang's TMA pipeline): the n
 residual streams' and the layer output's chunks land in shared memory with phi's [hi; lo] chunk of every stream;
-the consumer warpgroup forms the new residual x'[k] = post[k] * layer_out + sum_j comb[j, k] * residual[j] (fp32,
-rounded once to bf16, as `mhc_post`), writes it to memory, accumulates its squares and feeds it to the tensor
+the consumer warpgroups form the new residual x'[k] = post[k] * layer_out + sum_j comb[j, k] * residual[j] (fp32,
+rounded once to bf16, as `mhc_post`), write it to memory, accumulate its squares and feed it to the tensor
 cores: h_mix = x' @ phi^T (phi as bf16 hi + lo parts, as the pre). The epilogue writes h_pre, h_post and the comb
 logits h_res as the pre's mix kernel does. So the residual is read once and the new residual written once; only
 h_in = sum_i h_pre[i] * x'[i] (the pre's `mhc_pre_apply`, after this kernel) reads the new residual again, since
 h_pre needs the whole token's reduction first. Nothing is persistent and no CTA waits for another: one CTA per
-tile. The design and what was weighed against it: docs/design/mhc.md (mHC post section)."""
+tile. The design and what was weighed against it: docs/design/mhc_post.md."""
 
 from ...common import runtime  # noqa: F401  (the kernel cache dir before TileLang is imported)
 from ..tiling import _D_PAD, _round_up, phi_split_rows
