@@ -10,7 +10,8 @@ import torch
 
 from golden.htree import apply_rope, build_tree, htree_forward, num_layers, pack_bits, rope_tables
 from ops.common.protocol import Op, op_class
-from ops.common.runtime import compile_kernel
+from ops.common import runtime as _runtime
+from ops.common.runtime import WARP_OWN_SHARED, compile_kernel
 from ops.htree import HTreeBackwardTileLang, HTreeForwardTileLang, htree_attention
 from ops.htree.backward import _transposed, top_dk_finish, top_operands
 from ops.htree.bwd_index import candidate_counts, parent_lists, slab_index
@@ -454,8 +455,18 @@ def test_fp32_fragment_kernels_compile_for_sm90a(H, Hkv, K, V, r, precision):
     (two child tiles, K != V) and with TF32 products (the bench's (a): above)."""
     G = H // Hkv
     assert uses_fp32_fragments("float32", K, V, G, r)
-    assert compile_kernel(htree_bwd_nodes32_kernel(H, Hkv, K, V, r, 4, K ** -0.5, precision)) is not None
-    assert compile_kernel(htree_bwd_rows32_kernel(H, Hkv, K, V, r, 4, K ** -0.5, precision)) is not None
+    nodes = compile_kernel(htree_bwd_nodes32_kernel(H, Hkv, K, V, r, 4, K ** -0.5, precision),
+                           pass_configs=WARP_OWN_SHARED)
+    if _runtime.target()["arch"].startswith("sm_90"):
+        # the warps walk entry lists of their own lengths: one block-wide barrier, after the walks
+        src = nodes.get_kernel_source()
+        assert src.count("__syncthreads()") == 1 and "cp_async" in src
+    rows = compile_kernel(htree_bwd_rows32_kernel(H, Hkv, K, V, r, 4, K ** -0.5, precision),
+                          pass_configs=WARP_OWN_SHARED)
+    if _runtime.target()["arch"].startswith("sm_90"):
+        # the block syncs only around each layer's parents and before the warps' sums, outside the warps' walks
+        src = rows.get_kernel_source()
+        assert src.count("__syncthreads()") == 3 and "cp_async" in src
 
 
 @pytest.mark.compile

@@ -157,6 +157,11 @@ def compile_kernel(prim_func, out_idx=None, pass_configs: dict | None = None):
 # pass configs of a kernel whose software pipeline runs in its own threads (no producer warps): for kernels that
 # need several CTAs per SM, or whose copies are not all TMA
 NO_WARP_SPECIALIZATION = {"tl.disable_warp_specialized": True}
+# pass configs of a kernel whose warps each walk their own work list (trip counts differ) and stage their own loads
+# in their own slices of shared memory: TileLang's block-wide barriers around those accesses could never be met by
+# all warps, and its lifetime-based reuse would overlap a fast warp's later buffers with a slow warp's stages. The
+# kernel syncs its warps (sync_warp) and its block (sync_threads, outside the walks) itself.
+WARP_OWN_SHARED = {"tl.disable_thread_storage_sync": True, "tl.disable_shared_memory_reuse": True}
 
 
 def compile_kernels(*prim_funcs, pass_configs: dict | None = None) -> list:

@@ -36,7 +36,7 @@ import math
 import torch
 
 from ..common.protocol import Op
-from ..common.runtime import NO_WARP_SPECIALIZATION, compile_kernels, resolve_config
+from ..common.runtime import NO_WARP_SPECIALIZATION, WARP_OWN_SHARED, compile_kernels, resolve_config
 from ..common.validate import check_bool, check_choice, check_tensor, check_values
 from .bwd_index import parent_lists, slab_index
 from .forward import set_spec
@@ -181,12 +181,13 @@ class HTreeBackwardTileLang(Op):
         if uses_rows16(tl_dtype, r):
             rows = htree_bwd_rows16_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, tl_dtype)
         elif fp32_frag:
-            rows = htree_bwd_rows32_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, **prec)
+            rows = (htree_bwd_rows32_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, **prec), WARP_OWN_SHARED)
         else:
             rows = htree_bwd_rows_kernel(H, Hkv, K, V, r, top_k_per_layer, max_top_nodes, self.scale, tl_dtype,
                                          block_n=c["rows_block_n"], **prec)
         child_frame = uses_rows16(tl_dtype, r) or fp32_frag
-        nodes = (htree_bwd_nodes32_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, **prec) if fp32_frag else
+        nodes = ((htree_bwd_nodes32_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, **prec), WARP_OWN_SHARED)
+                 if fp32_frag else
                  htree_bwd_nodes_kernel(H, Hkv, K, V, r, top_k_per_layer, self.scale, tl_dtype,
                                         block_m=c["nodes_block_m"], **prec))
         top = dict(num_stages=c["top_stages"], threads=c["top_threads"], **prec)

@@ -83,15 +83,37 @@ def unrotate(x, y, cos, sin):
     return x * cos + y * sin, y * cos - x * sin
 
 
-def lower_layer_tiles(tile):
+def lower_layer_tiles(tile, prefetch=None):
     """The macro running a fragment rows kernel's ``tile`` (bwd_rows16, bwd_rows32) over a row's layers below the top,
     l = num_lower - 1 .. 0: the layer's candidate count n and its parents into shared memory, then warp w takes
     every fourth 16-candidate tile, w, w + 4, ... (layer 0: the tokens, KRot0 and Vt; above: the nodes, KRotN and
-    NodesV from LayerOff[l], their winners flagged)."""
+    NodesV from LayerOff[l], their winners flagged).
+    With ``prefetch`` (a macro issuing a tile's loads by cp.async into stage st of the warp's buffers, one commit),
+    each warp copies its next tile while it computes the current one, which ``tile`` then reads from stage st."""
+    @T.macro
+    def on_layer(KRot0, Vt, KRotN, NodesV, Tn, NR, NN, LayerOff, tables, smem, regs, b, ts, h, l, n, p0, w, gr, tg,
+                 st, issue):
+        """Layer l's tile p0: its loads issued into stage st (``issue``), else computed."""
+        if l == 0:
+            if issue:
+                prefetch(KRot0, Vt, 0, Tn, Tn, tables, smem, b, h, n, p0, w, gr, tg, st)
+            elif prefetch is None:
+                tile(KRot0, Vt, 0, Tn, Tn, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, False)
+            else:
+                tile(KRot0, Vt, 0, Tn, Tn, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, False, w, st)
+        else:
+            if issue:
+                prefetch(KRotN, NodesV, LayerOff[l], NR, NN, tables, smem, b, h, n, p0, w, gr, tg, st)
+            elif prefetch is None:
+                tile(KRotN, NodesV, LayerOff[l], NR, NN, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, True)
+            else:
+                tile(KRotN, NodesV, LayerOff[l], NR, NN, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, True, w, st)
+
     @T.macro
     def walk(KRot0, Vt, KRotN, NodesV, Tn, NR, NN, Par, NCand, LayerOff, tables, smem, regs, b, ts, h, w, gr, tg,
              num_lower):
         parents = smem[0]
+        layer = (KRot0, Vt, KRotN, NodesV, Tn, NR, NN, LayerOff, tables, smem, regs, b, ts, h)
         for li in T.serial(num_lower):
             l = num_lower - 1 - li
             n = NCand[l, b, ts, h]
@@ -99,11 +121,24 @@ def lower_layer_tiles(tile):
             for i in T.Parallel(parents.shape[0]):
                 parents[i] = Par[l, b, ts, h, i]
             T.sync_threads()
-            for it in T.serial(T.ceildiv(T.max(T.ceildiv(n, 16) - w, 0), 4)):
+            n_it = T.ceildiv(T.max(T.ceildiv(n, 16) - w, 0), 4)
+            if prefetch is not None:
+                if n_it > 0:
+                    T.sync_warp()  # the warp's last tile of the layer above is read
+                    on_layer(*layer, l, n, w * 16, w, gr, tg, 0, True)
+            for it in T.serial(n_it):
                 p0 = (w + 4 * it) * 16
-                if l == 0:
-                    tile(KRot0, Vt, 0, Tn, Tn, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, False)
+                if prefetch is None:
+                    on_layer(*layer, l, n, p0, w, gr, tg, 0, False)
                 else:
-                    tile(KRotN, NodesV, LayerOff[l], NR, NN, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, True)
+                    st = it % 2
+                    T.sync_warp()  # tile it - 1 is read: its stage takes tile it + 1
+                    if it + 1 < n_it:
+                        on_layer(*layer, l, n, p0 + 64, w, gr, tg, 1 - st, True)
+                    else:
+                        T.ptx_commit_group()  # an empty group: tile it's is then always the second newest
+                    T.ptx_wait_group(1)
+                    T.sync_warp()
+                    on_layer(*layer, l, n, p0, w, gr, tg, st, False)
 
     return walk

@@ -1,13 +1,16 @@
 """dK and dV of a layer below the top for fp32 with r >= 16 (``htree_bwd_nodes32_kernel``; where:
 ``bwd_common.uses_fp32_fragments``): the nodes kernel of
 ``bwd_nodes`` (the same launch arguments and result) with its four products as mma.sync m16n8k8 TF32 tiles whose
-operands go from the loads straight into the PTX register fragments, as the forward's ``htree_layer0_kernel``
-does: no shared memory and no barrier between an entry's loads and the tensor cores.
+operands are loaded straight into the PTX register fragments, as the forward's ``htree_layer0_kernel`` does: no
+block-wide barrier between an entry's loads and the tensor cores.
 
 One CTA per (parent j, tile of 16 children, kv head): its children, K rotated at the child index and V, are the A
 fragments of S^T = K_c q^T and dP^T = V_c dO^T (rows: children gr, gr + 8), loaded once. Each of the four warps
 takes every fourth entry (query, slot) of the parent's list, the indices of 32 entries loaded at once (a lane each)
-and broadcast by shuffles, so that an entry's loads do not wait on a chain of index loads; the query's G heads
+and broadcast by shuffles, so that an entry's loads do not wait on a chain of index loads. A warp's next entry
+(the query's G heads of q and dO, their lse and D, the angle row of its rotation) is copied by cp.async into the
+warp's own stage of shared memory while it computes the current one, whose fragments it loads from the other
+stage: the rows' latency (from L2 or DRAM: ~1 TB over the call at (a)) overlaps the products. The query's G heads
 (padded to 8 or 16) are the products' columns, so one entry is one tile of the four products:
   - S^T: lane tg's k-steps cover the RoPE pairs (KE tg + ks, half + KE tg + ks), so each pair of the query is
     rotated (at n - 1 - slot r) in the lane that loads it;
@@ -53,6 +56,8 @@ def htree_bwd_nodes32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v
     VQ = V // 4  # per lane: V dims of dP^T's k-steps (VS = V / 8 k-steps, two dims each)
     VS, VT, KT = V // 8, V // 8, K // 8  # dP^T k-steps; dV and dK column tiles
     KH = KT // 2  # dK's tiles of x dims (then as many of y dims)
+    KP, VP = K + 4, V + 4  # the staged rows' strides
+    AUX = 32  # the staged lse (words 0 .. G), D (16 .. 16 + G), then cos and sin (half each)
     operand, product = tf32_tiles(fp32_precision)
     q_scale = scale * LOG2E
     dtype = "float32"
@@ -83,6 +88,32 @@ def htree_bwd_nodes32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v
                 operand(T.if_then_else(ok, fv[2 * ks], 0.0), va_h, va_l, ks * 4 + ri)
                 operand(T.if_then_else(ok, fv[2 * ks + 1], 0.0), va_h, va_l, ks * 4 + 2 + ri)
 
+    @T.macro
+    def prefetch(Q, dO, Lse, Dl, Cos, Sin, qs, ds, ax, w, lane, st, b, h, t, rel):
+        """Entry (t, rel)'s rows into the warp's stage st by cp.async, 16 bytes a lane and copy (lse and D by
+        4), then one commit."""
+        for c in T.unroll(-(-G * K // 128)):
+            ch = lane + 32 * c
+            if ch < G * K // 4:
+                T.ptx_cp_async(T.access_ptr(qs[w, st, ch // (K // 4) * KP + ch % (K // 4) * 4], "w", 4),
+                               T.access_ptr(Q[b, t, h * G + ch // (K // 4), ch % (K // 4) * 4], "r", 4), 4)
+        for c in T.unroll(-(-G * V // 128)):
+            ch = lane + 32 * c
+            if ch < G * V // 4:
+                T.ptx_cp_async(T.access_ptr(ds[w, st, ch // (V // 4) * VP + ch % (V // 4) * 4], "w", 4),
+                               T.access_ptr(dO[b, t, h * G + ch // (V // 4), ch % (V // 4) * 4], "r", 4), 4)
+        if lane < G:
+            T.ptx_cp_async(T.access_ptr(ax[w, st, lane], "w", 1), T.access_ptr(Lse[b, t, h * G + lane], "r", 1), 1)
+        if lane >= 16 and lane < 16 + G:
+            T.ptx_cp_async(T.access_ptr(ax[w, st, lane], "w", 1), T.access_ptr(Dl[b, t, h * G + lane - 16], "r", 1),
+                           1)
+        if lane < half // 4:
+            T.ptx_cp_async(T.access_ptr(ax[w, st, AUX + 4 * lane], "w", 4), T.access_ptr(Cos[rel, 4 * lane], "r", 4), 4)
+        if lane >= 16 and lane < 16 + half // 4:
+            T.ptx_cp_async(T.access_ptr(ax[w, st, AUX + half + 4 * (lane - 16)], "w", 4),
+                           T.access_ptr(Sin[rel, 4 * (lane - 16)], "r", 4), 4)
+        T.ptx_commit_group()
+
     @T.prim_func
     def htree_bwd_nodes32(Q: T.Tensor((B, Tn, H, K), dtype), dO: T.Tensor((B, Tn, H, V), dtype),
                           Kt: T.Tensor((B, Tn, Hkv, K), dtype), Vt: T.Tensor((B, Tn, Hkv, V), dtype),
@@ -98,6 +129,12 @@ def htree_bwd_nodes32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v
             T.annotate_min_blocks_per_sm(min_blocks)
             red_k = T.alloc_shared((4, CHILDREN, K), "float32")  # the warps' sums, added in warp order
             red_v = T.alloc_shared((4, CHILDREN, V), "float32")
+            # each warp's next entry in flight (cp.async) while it computes the current one: the query's G heads
+            # of q and dO (rows padded by 4 words: the fragments' column loads hit distinct banks), its lse and D,
+            # the angle row (cos, sin) of its rotation
+            qs = T.alloc_shared((4, 2, G * KP), dtype)
+            ds = T.alloc_shared((4, 2, G * VP), dtype)
+            ax = T.alloc_shared((4, 2, AUX + K), dtype)
             ka_h = T.alloc_local((KE * 4,), dtype)  # the children's A fragments (K rotated, V), split halves
             ka_l = T.alloc_local((KE * 4,), dtype)
             va_h = T.alloc_local((VS * 4,), dtype)
@@ -158,10 +195,22 @@ def htree_bwd_nodes32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v
                     ts_k = T.shift_right(code_k, LIST_SLOT_BITS)
                     slot_k = T.bitwise_and(code_k, (1 << LIST_SLOT_BITS) - 1)
                     rel_k = T.max(NCand[layer, b, ts_k, h] - 1 - slot_k * r, 0)  # the query's rotation
-                    for k in T.serial(T.min(n_w - 32 * grp, 32)):
+                    cnt = T.min(n_w - 32 * grp, 32)
+                    T.sync_warp()  # the warp's last entry read stage 1; stage 0 is free
+                    prefetch(Q, dO, Lse, Dl, Cos, Sin, qs, ds, ax, w, lane, 0, b, h, t_start + T.shfl_sync(ts_k, 0),
+                             T.shfl_sync(rel_k, 0))
+                    for k in T.serial(cnt):
+                        st = k % 2
+                        T.sync_warp()  # entry k - 1 is read: its stage takes entry k + 1
+                        if k + 1 < cnt:
+                            prefetch(Q, dO, Lse, Dl, Cos, Sin, qs, ds, ax, w, lane, 1 - st, b, h,
+                                     t_start + T.shfl_sync(ts_k, k + 1), T.shfl_sync(rel_k, k + 1))
+                        else:
+                            T.ptx_commit_group()  # an empty group: entry k's is then always the second newest
+                        T.ptx_wait_group(1)
+                        T.sync_warp()
                         ts = T.shfl_sync(ts_k, k)
                         slot = T.shfl_sync(slot_k, k)
-                        rel = T.shfl_sync(rel_k, k)
                         t = t_start + ts
                         # the parent holding t keeps only its children up to t's (the rightmost candidate)
                         cut = T.if_then_else(T.shift_right(t, (layer + 1) * log_r) == j,
@@ -176,26 +225,26 @@ def htree_bwd_nodes32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v
                             for e in T.unroll(2):
                                 g = 8 * nt + 2 * tg + e
                                 hg = h * G + T.min(g, G - 1)
-                                lse2[nt * 2 + e] = T.if_then_else(g < G, Lse[b, t, hg] * LOG2E, 0.0)
-                                dl[nt * 2 + e] = T.if_then_else(g < G, Dl[b, t, hg], 0.0)
+                                lse2[nt * 2 + e] = T.if_then_else(g < G, ax[w, st, T.min(g, G - 1)] * LOG2E, 0.0)
+                                dl[nt * 2 + e] = T.if_then_else(g < G, ax[w, st, 16 + T.min(g, G - 1)], 0.0)
                         # S^T = K_c q_rot^T (q scaled into the log2 domain, rotated at rel)
                         for e in T.vectorized(KE):
-                            fc[e] = Cos[rel, KE * tg + e]
+                            fc[e] = ax[w, st, AUX + KE * tg + e]
                         for e in T.vectorized(KE):
-                            fs[e] = Sin[rel, KE * tg + e]
+                            fs[e] = ax[w, st, AUX + half + KE * tg + e]
                         for nt in T.unroll(NH):
                             g = 8 * nt + gr
-                            hq = h * G + T.min(g, G - 1)
+                            hq = T.min(g, G - 1) * KP
                             for e in T.vectorized(KE):
-                                fx[e] = Q[b, t, hq, KE * tg + e]
+                                fx[e] = qs[w, st, hq + KE * tg + e]
                             for e in T.vectorized(KE):
-                                fy[e] = Q[b, t, hq, half + KE * tg + e]
+                                fy[e] = qs[w, st, hq + half + KE * tg + e]
                             for ks in T.unroll(KE):
                                 lo_v, hi_v = rope_pair(fx[ks], fy[ks], fc[ks], fs[ks])
                                 operand(T.if_then_else(g < G, q_scale * lo_v, 0.0), qb_h, qb_l, (nt * KE + ks) * 2)
                                 operand(T.if_then_else(g < G, q_scale * hi_v, 0.0), qb_h, qb_l, (nt * KE + ks) * 2 + 1)
                             for e in T.vectorized(VQ):
-                                fv[e] = dO[b, t, hq, VQ * tg + e]
+                                fv[e] = ds[w, st, T.min(g, G - 1) * VP + VQ * tg + e]
                             for ks in T.unroll(VS):
                                 operand(T.if_then_else(g < G, fv[2 * ks], 0.0), db_h, db_l, (nt * VS + ks) * 2)
                                 operand(T.if_then_else(g < G, fv[2 * ks + 1], 0.0), db_h, db_l, (nt * VS + ks) * 2 + 1)
@@ -223,7 +272,7 @@ def htree_bwd_nodes32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v
                             for nt in T.unroll(NH):
                                 for e in T.unroll(2):
                                     g = 8 * nt + 2 * tg + e
-                                    operand(T.if_then_else(g < G, dO[b, t, h * G + T.min(g, G - 1), 8 * vt + gr], 0.0),
+                                    operand(T.if_then_else(g < G, ds[w, st, T.min(g, G - 1) * VP + 8 * vt + gr], 0.0),
                                             bb_h, bb_l, nt * 2 + e)
                             for e in T.unroll(4):
                                 tmp[e] = 0.0
@@ -237,9 +286,9 @@ def htree_bwd_nodes32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v
                             for nt in T.unroll(NH):
                                 for e in T.unroll(2):
                                     g = 8 * nt + 2 * tg + e
-                                    hq = h * G + T.min(g, G - 1)
-                                    lo_v, hi_v = rope_pair(Q[b, t, hq, i], Q[b, t, hq, half + i], Cos[rel, i],
-                                                           Sin[rel, i])
+                                    hq = T.min(g, G - 1) * KP
+                                    lo_v, hi_v = rope_pair(qs[w, st, hq + i], qs[w, st, hq + half + i],
+                                                           ax[w, st, AUX + i], ax[w, st, AUX + half + i])
                                     bx_[nt * 2 + e] = T.if_then_else(g < G, q_scale * lo_v, 0.0)
                                     by_[nt * 2 + e] = T.if_then_else(g < G, q_scale * hi_v, 0.0)
                             for e in T.unroll(4):

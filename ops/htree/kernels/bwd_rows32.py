@@ -16,8 +16,10 @@ lower layers' K comes rotated at its child index c (KRot0 / KRotN, ``htree_rope_
     (tg, tg + 4) of dq_pre = dS K (candidates 2 tg, 2 tg + 1 of each k-step);
   - dq_pre's column gr of tile kt is dim KH gr + kt of K's first half (kt < KH) or of its second (tile kt + KH),
     so each lane holds whole RoPE pairs of dq_pre and rotates them back at n - 1 - r pi into the warp's dq.
-fp32_precision "highest": every operand split into TF32 halves, three products; "high": rounded, one product. Each
-tile's products start from zero and are added in fp32 (the mma accumulators add in truncation)."""
+Each warp copies its next tile's K and V rows and angle row by cp.async into its own stage of shared memory while
+it computes the current tile (``bwd_common.lower_layer_tiles`` with a prefetch), so the gathers' latency overlaps
+the products. fp32_precision "highest": every operand split into TF32 halves, three products; "high": rounded, one
+product. Each tile's products start from zero and are added in fp32 (the mma accumulators add in truncation)."""
 
 from ...common.hw import LOG2E
 from ..tree import MAX_LAYERS
@@ -40,6 +42,7 @@ def htree_bwd_rows32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
     VQ, VS = V // 4, V // 8  # per lane: V dims of dP's k-steps (VS k-steps, two dims each)
     KT = K // 8  # dq_pre's column tiles
     KH = KT // 2  # ... of K's first half (then as many of its second)
+    KP, VP = K + 4, V + 4  # the staged rows' strides (padded: the fragments' column loads spread over the banks)
     operand, product = tf32_tiles(fp32_precision)
     q_scale = scale * LOG2E
     dtype = "float32"
@@ -47,17 +50,41 @@ def htree_bwd_rows32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
     LS, PB, PT, FN = T.dynamic("LS"), T.dynamic("PB"), T.dynamic("PT"), T.dynamic("FN")
 
     @T.macro
-    def tile(KRot, Vs, row_off, nk, nv, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, flagged):
-        """One tile of 16 candidates p0 .. p0 + 15 (children of the parent in slot p0 / r): dq += R^T dS K_c.
-        KRot, Vs: the layer's K (rotated at the child index) and V, row_off their first row, nk, nv their row counts
-        (buffers passed as arguments, not in a tuple: TileLang then keeps each call's buffer and shapes apart);
-        tables = (Cos, Sin, Flags), smem = (parents,)."""
-        Cos, Sin, Flags = tables
-        parents = smem[0]
-        (qx, qy, da_h, da_l, lse2, dl, fc, fs, fx, fy, fv, a_h, a_l, b_h, b_l, sc, dp, sa_h, sa_l, kx, ky, cx, cy,
-         win, dq) = regs
+    def prefetch(KRot, Vs, row_off, nk, nv, tables, smem, b, h, n, p0, w, gr, tg, st):
+        """Tile p0's 16 K rows, 16 V rows and its angle row (cos, sin at its relative position) into the warp's
+        stage st by cp.async, 16 bytes a lane and copy, then one commit."""
+        Cos, Sin = tables[0], tables[1]
+        parents, k_st, v_st, a_st = smem
+        lane = gr * 4 + tg
         pos = n - 1 - p0 // r * r
         node0 = child(parents, p0, r, top_k)
+        for c in T.unroll(K // 8):
+            j, col = (lane + 32 * c) // (K // 4), (lane + 32 * c) % (K // 4) * 4
+            row = T.max(T.min(row_off + node0 + j, nk - 1), 0)
+            T.ptx_cp_async(T.access_ptr(k_st[w, st, j * KP + col], "w", 4), T.access_ptr(KRot[b, h, row, col], "r", 4),
+                           4)
+        for c in T.unroll(V // 8):
+            j, col = (lane + 32 * c) // (V // 4), (lane + 32 * c) % (V // 4) * 4
+            row_v = T.max(T.min(row_off + node0 + j, nv - 1), 0)
+            T.ptx_cp_async(T.access_ptr(v_st[w, st, j * VP + col], "w", 4), T.access_ptr(Vs[b, row_v, h, col], "r", 4),
+                           4)
+        if lane < half // 4:
+            T.ptx_cp_async(T.access_ptr(a_st[w, st, 4 * lane], "w", 4), T.access_ptr(Cos[pos, 4 * lane], "r", 4), 4)
+        if lane >= 16 and lane < 16 + half // 4:
+            T.ptx_cp_async(T.access_ptr(a_st[w, st, half + 4 * (lane - 16)], "w", 4),
+                           T.access_ptr(Sin[pos, 4 * (lane - 16)], "r", 4), 4)
+        T.ptx_commit_group()
+
+    @T.macro
+    def tile(KRot, Vs, row_off, nk, nv, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, flagged, w, st):
+        """One tile of 16 candidates p0 .. p0 + 15 (children of the parent in slot p0 / r): dq += R^T dS K_c, its
+        K and V rows and angle row read from the warp's stage st (``prefetch``); KRot, Vs: the layer's K (rotated
+        at the child index) and V (unused here: the prefetch copied them); tables = (Cos, Sin, Flags), smem =
+        (parents, the warps' K, V and angle stages)."""
+        Flags = tables[2]
+        k_st, v_st, a_st = smem[1:]
+        (qx, qy, da_h, da_l, lse2, dl, fc, fs, fx, fy, fv, a_h, a_l, b_h, b_l, sc, dp, sa_h, sa_l, kx, ky, cx, cy,
+         win, dq) = regs
         for jn in T.unroll(2):
             for e in T.unroll(2):
                 p = p0 + 8 * jn + 2 * tg + e
@@ -66,11 +93,11 @@ def htree_bwd_rows32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
                                                      1)
                 else:
                     win[2 * jn + e] = T.if_then_else(p < n, 0, 1)
-        # the query's pairs rotated at pos, scaled into the log2 domain, as S's A fragments
+        # the query's pairs rotated at the tile's relative position, scaled into the log2 domain, as S's A fragments
         for e in T.vectorized(KE):
-            fc[e] = Cos[pos, KE * tg + e]
+            fc[e] = a_st[w, st, KE * tg + e]
         for e in T.vectorized(KE):
-            fs[e] = Sin[pos, KE * tg + e]
+            fs[e] = a_st[w, st, half + KE * tg + e]
         for ks in T.unroll(KE):
             for rr in T.unroll(2):
                 lo_v, hi_v = rope_pair(qx[rr * KE + ks], qy[rr * KE + ks], fc[ks], fs[ks])
@@ -78,14 +105,13 @@ def htree_bwd_rows32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
                 operand(q_scale * hi_v, a_h, a_l, ks * 4 + 2 + rr)
         # S = Q K^T and dP = dO V^T: [4 jn + e] is head gr + 8 (e // 2), candidate p0 + 8 jn + 2 tg + e % 2
         for jn in T.unroll(2):
-            row = T.max(T.min(row_off + node0 + 8 * jn + gr, nk - 1), 0)
+            row = (8 * jn + gr) * KP
             for e in T.vectorized(KE):
-                fx[e] = KRot[b, h, row, KE * tg + e]
+                fx[e] = k_st[w, st, row + KE * tg + e]
             for e in T.vectorized(KE):
-                fy[e] = KRot[b, h, row, half + KE * tg + e]
-            row_v = T.max(T.min(row_off + node0 + 8 * jn + gr, nv - 1), 0)
+                fy[e] = k_st[w, st, row + half + KE * tg + e]
             for e in T.vectorized(VQ):
-                fv[e] = Vs[b, row_v, h, VQ * tg + e]
+                fv[e] = v_st[w, st, (8 * jn + gr) * VP + VQ * tg + e]
             for e in T.unroll(4):
                 sc[jn * 4 + e] = 0.0
                 dp[jn * 4 + e] = 0.0
@@ -105,15 +131,15 @@ def htree_bwd_rows32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
         # dq_pre = dS K_c: B's rows are candidates 8 jn + 2 tg (+ 1), its column gr dim KH gr + kt (+ half)
         for jn in T.unroll(2):
             for e in T.unroll(2):
-                row = T.max(T.min(row_off + node0 + 8 * jn + 2 * tg + e, nk - 1), 0)
+                row = (8 * jn + 2 * tg + e) * KP
                 for i in T.vectorized(KH):
-                    kx[(jn * 2 + e) * KH + i] = KRot[b, h, row, KH * gr + i]
+                    kx[(jn * 2 + e) * KH + i] = k_st[w, st, row + KH * gr + i]
                 for i in T.vectorized(KH):
-                    ky[(jn * 2 + e) * KH + i] = KRot[b, h, row, half + KH * gr + i]
+                    ky[(jn * 2 + e) * KH + i] = k_st[w, st, row + half + KH * gr + i]
         for e in T.vectorized(2 * KH):
-            fc[e] = Cos[pos, 2 * KH * tg + e]
+            fc[e] = a_st[w, st, 2 * KH * tg + e]
         for e in T.vectorized(2 * KH):
-            fs[e] = Sin[pos, 2 * KH * tg + e]
+            fs[e] = a_st[w, st, half + 2 * KH * tg + e]
         for kt in T.unroll(KH):
             for e in T.unroll(4):
                 cx[e] = 0.0
@@ -125,14 +151,14 @@ def htree_bwd_rows32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
                 for e in T.unroll(2):
                     operand(ky[(jn * 2 + e) * KH + kt], b_h, b_l, e)
                 product(sa_h, sa_l, jn * 4, b_h, b_l, 0, cy, 0)
-            # c[e]: head gr + 8 (e // 2), pair KH (2 tg + e % 2) + kt: rotated back at pos
+            # c[e]: head gr + 8 (e // 2), pair KH (2 tg + e % 2) + kt: rotated back at the relative position
             for e in T.unroll(4):
                 i = KH * (e % 2) + kt
                 lo, hi = unrotate(cx[e], cy[e], fc[i], fs[i])
                 dq[kt * 4 + e] += lo
                 dq[(kt + KH) * 4 + e] += hi
 
-    walk = lower_layer_tiles(tile)
+    walk = lower_layer_tiles(tile, prefetch)
 
     @T.prim_func
     def htree_bwd_rows32(Q: T.Tensor((B, Tn, H, K), dtype), dO: T.Tensor((B, Tn, H, V), dtype),
@@ -148,6 +174,9 @@ def htree_bwd_rows32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
             T.annotate_min_blocks_per_sm(min_blocks)
             parents = T.alloc_shared((top_k,), "int32")
             dq_sh = T.alloc_shared((4, 16, K), "float32")  # the warps' dq, added in warp order
+            k_st = T.alloc_shared((4, 2, 16 * KP), dtype)  # each warp's two stages of a tile's rows
+            v_st = T.alloc_shared((4, 2, 16 * VP), dtype)
+            a_st = T.alloc_shared((4, 2, K), dtype)
             qx = T.alloc_local((2 * KE,), dtype)  # the query's pairs (i, i + K/2) of head rows gr, gr + 8
             qy = T.alloc_local((2 * KE,), dtype)
             da_h = T.alloc_local((VS * 4,), dtype)  # dO's A fragments, per k-step
@@ -201,8 +230,8 @@ def htree_bwd_rows32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
                 dq[i] = 0.0
             regs = (qx, qy, da_h, da_l, lse2, dl, fc, fs, fx, fy, fv, a_h, a_l, b_h, b_l, sc, dp, sa_h, sa_l, kx, ky,
                     cx, cy, win, dq)
-            walk(KRot0, Vt, KRotN, NodesV, Tn, NR, NN, Par, NCand, LayerOff, (Cos, Sin, Flags), (parents,), regs, b, ts,
-                 h, w, gr, tg, num_lower)
+            walk(KRot0, Vt, KRotN, NodesV, Tn, NR, NN, Par, NCand, LayerOff, (Cos, Sin, Flags),
+                 (parents, k_st, v_st, a_st), regs, b, ts, h, w, gr, tg, num_lower)
             # the warps' dq added in a fixed order
             for kt in T.unroll(KT):
                 for e in T.unroll(4):
