@@ -139,6 +139,8 @@ def test_constructor_validation(cls, kwargs, err, match):
     (MHCPostPreTileLang, {"block_t": 96}, r"config\['block_t'\]"),
     (MHCPostPreTileLang, {"threads": 384}, r"config\['threads'\]"),
     (MHCPostPreTileLang, {"block_t": 128, "threads": 128, "block_k": 16}, "a warpgroup"),
+    (MHCPostPreTileLang, {"splits": 3}, r"config\['splits'\]"),
+    (MHCPostPreTileLang, {"block_k": 32, "splits": 4}, r"config\['splits'\]: expected a divisor of the 2 column"),
 ])
 def test_config_validation(cls, config, match):
     with pytest.raises(ValueError, match=match):
@@ -243,11 +245,18 @@ def test_post_mix_tiling_fits():
     from ops.common.hw import SMEM_BUDGET
 
     for n in range(1, 9):
-        cfg = post_mix_default_config(n)
-        assert cfg["num_stages"] >= 2 and post_mix_smem_bytes(n, **cfg) <= SMEM_BUDGET
-        assert all(post_mix_smem_bytes(n, **c) <= SMEM_BUDGET for c in post_mix_config_space(n))
-    assert post_mix_default_config(4) == {"block_t": 128, "threads": 256, "block_k": 32, "num_stages": 2}
-    assert post_mix_default_config(8)["block_t"] == 64  # 128-token tiles do not fit two stages at n = 8
+        for D in (8, 520, 4096, 7168):
+            cfg = post_mix_default_config(n, D)
+            assert cfg["num_stages"] >= 2 and post_mix_smem_bytes(n, **cfg) <= SMEM_BUDGET
+            chunks = -(-D // cfg["block_k"])
+            assert chunks % cfg["splits"] == 0 and chunks // cfg["splits"] >= cfg["num_stages"] or cfg["splits"] == 1
+            space = post_mix_config_space(n, D)
+            assert all(post_mix_smem_bytes(n, **c) <= SMEM_BUDGET for c in space)
+            assert all(-(-D // c["block_k"]) % c["splits"] == 0 for c in space)
+    # 64-token tiles: 16384 tokens make ~2 waves of one CTA per SM, not one (a shared GPU would run two)
+    assert post_mix_default_config(4, 4096) == {"block_t": 64, "threads": 256, "block_k": 64, "num_stages": 2,
+                                                 "splits": 1}
+    assert post_mix_default_config(8, 4096)["block_k"] == 16  # wider chunks do not fit two stages at n = 8
 
 
 # ----------------------------------------------------------------------------- custom ops (CPU: fakes)
@@ -331,6 +340,11 @@ def test_post_pre_kernels_compile_for_sm90a(n, D, iters):
         src = op._mix.get_kernel_source()
         assert "wgmma" in src and "tma_load" in src
         assert "cudaGridDependencySynchronize" not in src and "cluster" not in src.lower()
+        # D = 4096 / 7168 split their chunks over CTAs, whose last adds the partials (no CTA waits)
+        assert src.count("mhc_last_split(") == 1  # the prelude's definition: one CTA per tile, no split
+        split = MHCPostPreTileLang(n, D, sinkhorn_iters=iters, config={"splits": 2}) if D % 128 == 0 else None
+        if split is not None:  # its last CTA per tile adds the partials
+            assert split._mix.get_kernel_source().count("mhc_last_split(") == 2
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -484,6 +498,24 @@ def test_post_pre_matches_post_then_pre_ops_and_is_deterministic():
     with torch.no_grad():
         fused = torch.compile(lambda *a: mhc_post_pre_fn(*a, sinkhorn_iters=iters), fullgraph=True)
         assert all(torch.equal(a, b) for a, b in zip(fused(*post_in, phi, alpha, bias), got))
+
+
+@pytest.mark.gpu
+def test_post_pre_split_chunks(poisoned):
+    """config splits = 4 (a tile's D chunks over four CTAs, the last to finish adding the partials in split order):
+    the new residual bitwise equal to one CTA's, the weights the golden's, bitwise reproducible (each tile's last
+    CTA resets its arrival count for the next launch)."""
+    n, D, iters = 4, 4096, 20
+    post_in = _cuda_inputs((517,), n, D)
+    _, phi, alpha, bias = pre_inputs(1, 1, n, D, device="cuda")
+    ref = mhc_post_pre(*post_in, phi.double(), alpha.double(), bias.double(), sinkhorn_iters=iters)[1:]
+    split = MHCPostPreTileLang(n, D, sinkhorn_iters=iters, config={"splits": 4})
+    with poisoned():
+        got = split(*post_in, phi, alpha, bias)
+    assert torch.equal(got[0], MHCPostPreTileLang(n, D, sinkhorn_iters=iters)(*post_in, phi, alpha, bias)[0])
+    for name, g, r, tol in zip(("h_in", "h_post", "h_res"), got[1:], ref, (8e-3, 2e-3, 2e-3)):
+        assert rel_err(g, r) <= tol, f"{name}: rel err {rel_err(g, r):.2e} > {tol}"
+    assert all(torch.equal(a, b) for a, b in zip(got, split(*post_in, phi, alpha, bias)))
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ from .kernels.phi_split import mhc_phi_split_kernel
 from .kernels.post import mhc_post_bwd_kernel, mhc_post_kernel
 from .kernels.post_pre import mhc_post_mix_kernel
 from .kernels.sinkhorn import mhc_pre_sinkhorn_kernel
-from .pre import check_sinkhorn_iters
+from .pre import check_sinkhorn_iters, split_workspace
 from .tiling import _D_PAD, _round_up, phi_split_rows
 
 MAX_N, MAX_D = 8, 16384  # the pre's range: the post feeds the next pre
@@ -203,26 +203,35 @@ def post_mix_smem_bytes(n: int, block_k: int, num_stages: int, block_t: int, **_
     return num_stages * stage + n * block_t * block_k * 2 + max(block_t * (n + n * n) * 4, block_t * (2 * NG + 1) * 4)
 
 
-def post_mix_config_space(n: int) -> list[dict]:
+def post_mix_splits(D: int, block_k: int, num_stages: int, splits: int) -> bool:
+    """Whether `splits` CTAs can share a tile's D chunks: a divisor of them, each split at least num_stages long."""
+    chunks = -(-D // block_k)
+    return chunks % splits == 0 and (splits == 1 or chunks // splits >= num_stages)
+
+
+def post_mix_config_space(n: int, D: int) -> list[dict]:
     """Chunk widths dividing _D_PAD (phi's padding), 1-4 stages, 64 or 128 tokens a tile (phi is read once per
-    tile) and one to four warpgroups (at least one per 64 tokens), within shared memory."""
+    tile), one to four warpgroups (at least one per 64 tokens) and 1, 2 or 4 CTAs per tile, within shared
+    memory."""
     tiles = ((64, 128), (64, 256), (64, 512), (128, 256), (128, 512))  # (block_t, threads)
-    return [dict(block_t=bt, threads=th, block_k=bk, num_stages=s) for bt, th in tiles
-            for bk in (16, 32, 64, 128) for s in range(1, 5) if post_mix_smem_bytes(n, bk, s, bt) <= SMEM_BUDGET]
+    return [dict(block_t=bt, threads=th, block_k=bk, num_stages=s, splits=sp) for bt, th in tiles
+            for bk in (16, 32, 64, 128) for s in range(1, 5) for sp in (1, 2, 4)
+            if post_mix_smem_bytes(n, bk, s, bt) <= SMEM_BUDGET and post_mix_splits(D, bk, s, sp)]
 
 
-def post_mix_default_config(n: int) -> dict:
+def post_mix_default_config(n: int, D: int) -> dict:
     """Two warpgroups (the new residual's elementwise work is what bounds one: H200, n = 4, D = 4096, 730 -> 578 us)
-    on 128-token tiles (phi read half as often: 571 us) where two stages of at least 32 columns fit, else on
-    64-token tiles; the widest chunk up to 64 columns, two stages, a third where it also fits
-    (docs/design/mhc_post.md)."""
-    space = post_mix_config_space(n)
-    for bt, th in ((128, 256), (64, 256), (64, 128)):
-        fits = [c for c in space if c["block_t"] == bt and c["threads"] == th and c["num_stages"] >= 2
-                and (32 if bt == 128 else 16) <= c["block_k"] <= 64]
+    on 64-token tiles, the widest chunk up to 64 columns, two stages (a third where it also fits), one CTA per
+    tile. Not 128-token tiles, though they read phi half as often (571 us): one CTA fills an SM, so 16384 tokens
+    make 128 CTAs, about one wave, which a GPU shared with another stream runs as two (1.22 ms with 16 of 132 SMs
+    held, above the 1.11 ms bound); nor split chunks (`splits`), which cost 8-13% alone (docs/design/mhc_post.md)."""
+    space = post_mix_config_space(n, D)
+    for th in (256, 128):
+        fits = [c for c in space if c["block_t"] == 64 and c["threads"] == th and c["num_stages"] >= 2
+                and c["block_k"] <= 64 and c["splits"] == 1]
         if fits:
             bk = max(c["block_k"] for c in fits)
-            return dict(block_t=bt, threads=th, block_k=bk,
+            return dict(block_t=64, threads=th, block_k=bk, splits=1,
                         num_stages=min(3, max(c["num_stages"] for c in fits if c["block_k"] == bk)))
     raise ValueError(f"n: expected a stream count whose tiles fit in shared memory, got {n}")
 
@@ -247,11 +256,11 @@ class MHCPostPreTileLang(Op):
 
     @classmethod
     def default_config(cls, spec: dict) -> dict:
-        return post_mix_default_config(spec["n"])
+        return post_mix_default_config(spec["n"], spec["D"])
 
     @classmethod
     def config_space(cls, spec: dict) -> list[dict]:
-        return post_mix_config_space(spec["n"])
+        return post_mix_config_space(spec["n"], spec["D"])
 
     @classmethod
     def tunable_kernel(cls, spec: dict):
@@ -273,6 +282,11 @@ class MHCPostPreTileLang(Op):
             raise ValueError(f"config: expected a warpgroup (128 threads) per 64 tokens of block_t, got {self.config}")
         check_choice("config['block_k']", self.config["block_k"], (16, 32, 64, 128))
         check_int("config['num_stages']", self.config["num_stages"], lo=1, hi=4)
+        check_choice("config['splits']", self.config["splits"], (1, 2, 4))
+        if not post_mix_splits(D, self.config["block_k"], self.config["num_stages"], self.config["splits"]):
+            raise ValueError(f"config['splits']: expected a divisor of the {-(-D // self.config['block_k'])} column "
+                             f"chunks of D={D} (block_k={self.config['block_k']}) leaving each split at least "
+                             f"num_stages={self.config['num_stages']} of them, got {self.config['splits']}")
         smem = post_mix_smem_bytes(n, **self.config)
         if smem > SMEM_BUDGET:
             raise ValueError(f"config: expected a config within {SMEM_BUDGET} bytes of shared memory, "
@@ -290,9 +304,9 @@ class MHCPostPreTileLang(Op):
         check_tensor("bias", bias, torch.float32, (N,), device=dev)
         return lead
 
-    def _args(self, residual, layer_out, post, comb, phi, alpha, bias):
-        """The mix kernel's arguments (phi split into a fresh [hi; lo] buffer), outputs last: new residual,
-        h_post, h_res, h_pre (flattened tokens)."""
+    def _args(self, residual, layer_out, post, comb, phi, alpha, bias, configs=None):
+        """The mix kernel's arguments (phi split into a fresh [hi; lo] buffer): inputs, the outputs new residual,
+        h_post, h_res, h_pre (flattened tokens), then the split workspace (for `configs`, default the op's own)."""
         n, D = self.n, self.D
         tokens, dev = residual.numel() // (n * D), residual.device
         NG = phi_split_rows(n)
@@ -302,17 +316,20 @@ class MHCPostPreTileLang(Op):
         f32 = dict(device=dev, dtype=torch.float32)
         return (residual.view(tokens, n, D), layer_out.view(tokens, D), post.view(tokens, n), comb.view(tokens, n, n),
                 phi_hl, alpha, bias, torch.empty(tokens, n, D, device=dev, dtype=torch.bfloat16),
-                torch.empty(tokens, n, **f32), torch.empty(tokens, n * n, **f32), torch.empty(tokens, n, **f32))
+                torch.empty(tokens, n, **f32), torch.empty(tokens, n * n, **f32), torch.empty(tokens, n, **f32),
+                *split_workspace(tokens, 2 * NG, dev, configs or [self.config]))
 
     def tune_args(self, residual, layer_out, post, comb, phi, alpha, bias):
+        """The mix kernel's arguments, with a split workspace for every config of the space (the tuner runs them
+        all on these arguments)."""
         self.check_inputs(residual, layer_out, post, comb, phi, alpha, bias)
-        return self._args(residual, layer_out, post, comb, phi, alpha, bias)
+        return self._args(residual, layer_out, post, comb, phi, alpha, bias, self.config_space(self.spec))
 
     def __call__(self, residual, layer_out, post, comb, phi, alpha, bias):
         lead = self.check_inputs(residual, layer_out, post, comb, phi, alpha, bias)
         n, D = self.n, self.D
         args = self._args(residual, layer_out, post, comb, phi, alpha, bias)
-        new_residual, h_post, h_res, h_pre = args[-4:]
+        new_residual, h_post, h_res, h_pre = args[-6:-2]
         h_in = torch.empty(h_pre.shape[0], D, device=residual.device, dtype=torch.bfloat16)
         if h_in.shape[0]:
             self._mix(*args)

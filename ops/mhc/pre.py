@@ -57,6 +57,23 @@ def check_sinkhorn_iters(sinkhorn_iters) -> None:
         check_int("sinkhorn_iters", sinkhorn_iters, lo=0, hi=SINKHORN_MAX_ITERS)
 
 
+_NO_SPLITS: dict = {}  # per device: the one-element workspace stand-ins of kernels that do not split
+
+
+def split_workspace(tokens: int, width: int, device, configs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mix kernel's split partials (flat [tiles, splits, block_t, width + 1]) and per-tile arrival counts (zero:
+    each tile's last CTA zeroes its count again), large enough for each of `configs` (the autotuner runs them all
+    on one set of arguments); one-element stand-ins, which no kernel touches, when none of them splits."""
+    split = [c for c in configs if c["splits"] > 1]
+    if not split:
+        if device not in _NO_SPLITS:
+            _NO_SPLITS[device] = (torch.empty(1, device=device), torch.zeros(1, device=device, dtype=torch.int32))
+        return _NO_SPLITS[device]
+    tiles = [-(-tokens // c["block_t"]) for c in split]
+    part = max(t * c["splits"] * c["block_t"] for t, c in zip(tiles, split))
+    return (torch.empty(part * (width + 1), device=device), torch.zeros(max(tiles), device=device, dtype=torch.int32))
+
+
 class MHCForwardPreTileLang(Op):
     """mHC pre forward: ``op(x, phi, alpha, bias) -> (h_in, h_post, h_res)``; see golden/mhc_pre.py.
 
@@ -136,7 +153,7 @@ class MHCForwardPreTileLang(Op):
             raise ValueError(f"config: expected a config within {SMEM_BUDGET} bytes of shared memory, "
                              f"got {self.config} needing {smem}")
         self._split = compile_kernel(mhc_phi_split_kernel(n, D))
-        self._phi_parts, self._no_splits = {}, {}
+        self._phi_parts = {}
         self._fused = self._mix = self._apply = self._side = None
         if single_pass:
             self._fused = compile_kernel(mhc_pre_fused_kernel(**self.spec, **self.config))
@@ -176,29 +193,14 @@ class MHCForwardPreTileLang(Op):
                 torch.empty(tokens, n * n, **f32), torch.empty(tokens, **f32), torch.empty(tokens, n, **f32),
                 torch.empty(tokens, n * n + 2 * n, **f32))
 
-    def _split_workspace(self, tokens: int, device, configs: list[dict]):
-        """A mix kernel's partials (flat [tiles, splits, block_t, NG + 1]) and per-tile counts, large enough for
-        each of `configs` (the autotuner runs them all on one set of arguments); one-element stand-ins, which no
-        kernel touches, when none of them splits."""
-        split = [c for c in configs if c["splits"] > 1]
-        if not split:
-            if device not in self._no_splits:
-                self._no_splits[device] = (torch.empty(1, device=device),
-                                           torch.zeros(1, device=device, dtype=torch.int32))
-            return self._no_splits[device]
-        tiles = [-(-tokens // c["block_t"]) for c in split]
-        part = max(t * c["splits"] * c["block_t"] for t, c in zip(tiles, split))
-        return (torch.empty(part * (phi_split_rows(self.n) + 1), device=device),
-                torch.zeros(max(tiles), device=device, dtype=torch.int32))
-
     def _kernel_args(self, x, phi, alpha, bias, outs, configs=None):
         """Arguments of the tunable kernel: the fused kernel takes all outputs and the cluster count, the mix
         kernel all outputs with h_in last (it writes h_in only as the side kernel), then its split workspace
         (for `configs`, default the op's own)."""
         head = (x.view(outs[0].shape[0], *x.shape[-2:]), *self._split_phi(phi), alpha, bias)
         if self._fused is None:
-            return head + outs[1:] + outs[:1] + self._split_workspace(outs[0].shape[0], x.device,
-                                                                      configs or [self.config])
+            work = split_workspace(outs[0].shape[0], phi_split_rows(self.n), x.device, configs or [self.config])
+            return head + outs[1:] + outs[:1] + work
         # One CTA per SM whatever its shared memory: 256 threads of up to 240 registers fill the file. As many
         # clusters as the GPU holds, within the SM budget.
         clusters = min(max_active_clusters(_CLUSTER, 256, SMEM_BUDGET, x.device.index), self.num_sms // _CLUSTER)
@@ -214,7 +216,7 @@ class MHCForwardPreTileLang(Op):
         self._fused(x2[:m], hi, lo, alpha, bias, *(o[:m] for o in outs), clusters)
         if side:  # the mix kernel's order: h_in last
             self._side(x2[m:], hi, lo, alpha, bias, *(o[m:] for o in outs[1:]), outs[0][m:],
-                       *self._split_workspace(side, x2.device, [_SIDE_CONFIG]))
+                       *split_workspace(side, phi_split_rows(self.n), x2.device, [_SIDE_CONFIG]))
 
     def tune_args(self, x, phi, alpha, bias):
         """Arguments of the tunable kernel (``tunable_kernel``) for these inputs, with a split workspace large

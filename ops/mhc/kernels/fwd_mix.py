@@ -3,34 +3,17 @@ reduction h_mix = x @ phi^T on bf16 tensor cores, pipelined over K, with the sum
 tiles; its epilogue writes h_pre, h_post, h_res and inv_rms) and `mhc_pre_apply` (h_in = sum_i h_pre[i] *
 x[i, :], bandwidth-bound). The mix kernel with `apply` also writes h_in: the single pass's side kernel.
 
-With `splits` > 1 the mix kernel's K (the n*D columns) is split over that many CTAs per token tile: more, shorter
-CTAs, so that a GPU shared with another stream (or a small token count) still gets a grid of several waves. Each
-split writes its partial h_mix and sum of squares; the last CTA of a tile to arrive (a count per tile) sums them in
-split order and runs the epilogue: no CTA waits for another, and the sums are bitwise reproducible."""
+With `splits` > 1 the mix kernel's K (the n*D columns) is split over that many CTAs per token tile (`splits.py`):
+more, shorter CTAs, so that a GPU shared with another stream (or a small token count) still gets a grid of several
+waves."""
 
 from ...common import runtime  # noqa: F401  (the kernel cache dir before TileLang is imported)
 from ..tiling import _D_PAD, _SIDE_D, _round_up, phi_split_rows
 from .sinkhorn import sinkhorn_project
+from .splits import SPLIT_SRC, sum_splits
 from . import weights
 
 import tilelang.language as T  # noqa: E402
-
-_SPLIT_SRC = r"""
-// 1 in the last of a token tile's `splits` CTAs to get here (every thread fenced its partials before the CTA's
-// barrier; this release orders them before the count, the acquire after it orders the other splits' before the
-// reads that follow). The last one zeroes the count for the next launch on the same buffers (a timing loop).
-__device__ __forceinline__ int mhc_last_split(const int* count, int tile, int splits) {
-  int* c = const_cast<int*>(count) + tile;
-  __threadfence();
-  int last = atomicAdd(c, 1) == splits - 1;
-  __threadfence();
-  if (last) *c = 0;
-  return last;
-}
-__device__ __forceinline__ void mhc_fence() { __threadfence(); }
-// Another CTA's partials: from L2, never from a stale L1 line.
-__device__ __forceinline__ float mhc_ld_cg(const float* p, int i) { return __ldcg(p + i); }
-"""
 
 
 def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
@@ -50,6 +33,7 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
     num_tokens = T.dynamic("num_tokens")
     part_len, count_tiles = T.dynamic("part_len"), T.dynamic("count_tiles")
     project = sinkhorn_project(n, sinkhorn_iters, hc_eps) if sinkhorn_iters else None
+    sum_split_parts = sum_splits(splits, block_t, NG)
 
     @T.prim_func
     def mhc_pre_mix(
@@ -67,7 +51,7 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
         Part: T.Tensor((part_len,), "float32"),  # used only with splits > 1
         Count: T.Tensor((count_tiles,), "int32"),
     ):
-        with T.Kernel(T.ceildiv(num_tokens, block_t), splits, threads=threads, prelude=_SPLIT_SRC) as (bx, sp):
+        with T.Kernel(T.ceildiv(num_tokens, block_t), splits, threads=threads, prelude=SPLIT_SRC) as (bx, sp):
             xs = T.alloc_shared((block_t, block_k), "bfloat16")
             hi_s = T.alloc_shared((NG, block_k), "bfloat16")
             lo_s = T.alloc_shared((NG, block_k), "bfloat16")
@@ -106,24 +90,8 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
             hpre_s = T.alloc_shared((block_t, n), "float32") if apply else None  # h_pre kept for h_in
             T.sync_threads()
             last = T.alloc_shared((1,), "int32")
-            if splits > 1:  # this split's partials out; the tile's last CTA sums every split's, in split order
-                for t, r in T.Parallel(block_t, NG + 1):
-                    Part[((bx * splits + sp) * block_t + t) * (NG + 1) + r] = T.if_then_else(r < NG, mix_s[t, T.min(r, NG - 1)], sumsq_s[t])
-                T.call_extern("handle", "mhc_fence")
-                T.sync_threads()
-                if T.get_thread_binding() == 0:
-                    last[0] = T.call_extern("int32", "mhc_last_split", Count.data, bx, splits)
-                T.sync_threads()
-                if last[0] == 1:
-                    for t, r in T.Parallel(block_t, NG + 1):
-                        part = [T.call_extern("float32", "mhc_ld_cg", Part.data,
-                                              ((bx * splits + s) * block_t + t) * (NG + 1) + r) for s in range(splits)]
-                        total = sum(part[1:], part[0])  # in split order
-                        if r < NG:
-                            mix_s[t, r] = total
-                        else:
-                            sumsq_s[t] = total
-                T.sync_threads()
+            if splits > 1:  # the tile's last CTA adds every split's partials, in split order
+                sum_split_parts(Part, Count, mix_s, sumsq_s, last, bx, sp)
             for t, r in T.Parallel(block_t, NG):
                 if (splits == 1 or last[0] == 1) and t0 + t < num_tokens and r < N:
                     rms = weights.inv_rms(sumsq_s[t], n, D, rms_eps)

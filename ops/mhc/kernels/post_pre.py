@@ -7,30 +7,39 @@ rounded once to bf16, as `mhc_post`), write it to memory, accumulate its squares
 cores: h_mix = x' @ phi^T (phi as bf16 hi + lo parts, as the pre). The epilogue writes h_pre, h_post and the comb
 logits h_res as the pre's mix kernel does. So the residual is read once and the new residual written once; only
 h_in = sum_i h_pre[i] * x'[i] (the pre's `mhc_pre_apply`, after this kernel) reads the new residual again, since
-h_pre needs the whole token's reduction first. Nothing is persistent and no CTA waits for another: one CTA per
-tile. The design and what was weighed against it: docs/design/mhc_post.md."""
+h_pre needs the whole token's reduction first. With `splits` > 1 a tile's D chunks are shared by that many CTAs
+(`splits.py`: the last to finish adds the partials in split order and writes the weights), so that a token count of
+about one wave of tiles still makes a grid of several waves on a GPU shared with another stream. Nothing is
+persistent and no CTA waits for another. The design and what was weighed against it: docs/design/mhc_post.md."""
 
 from ...common import runtime  # noqa: F401  (the kernel cache dir before TileLang is imported)
 from ..tiling import _D_PAD, _round_up, phi_split_rows
 from . import weights
+from .splits import SPLIT_SRC, sum_splits
 
 import tilelang.language as T  # noqa: E402
 
 
 def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: int = 64, block_k: int = 64,
-                        num_stages: int = 2, threads: int = 128):
+                        num_stages: int = 2, threads: int = 128, splits: int = 1):
     """The new residual, h_pre, h_post and the comb logits of the next pre, from the post's inputs (module
     docstring). `block_k` divides _D_PAD (phi's split copy is zero past D; the TMA loads zero-fill past D).
     `threads` / 128 warpgroups share the tile's elementwise work and split the product's 64-row wgmma tiles: by
-    rows where block_t = 64 per warpgroup, by h_mix's columns at block_t = 64, else both."""
+    rows where block_t = 64 per warpgroup, by h_mix's columns at block_t = 64, else both. `splits` (a divisor of
+    the D chunks) CTAs per tile, the partials in Part (flat, [tiles, splits, block_t, 2 NG + 1], any longer length)
+    and the arrivals counted in Count [tiles or more] (zero at the first launch); unused with one split."""
     wg = threads // 128
     policy = (T.GemmWarpPolicy.FullRow if block_t == 64 * wg else
               T.GemmWarpPolicy.FullCol if block_t == 64 else T.GemmWarpPolicy.Square)
     N, NG = n * n + 2 * n, phi_split_rows(n)
     Dp = _round_up(D, _D_PAD)
     d_chunks = -(-D // block_k)
+    per_split = d_chunks // splits
+    assert per_split * splits == d_chunks
+    sum_split_parts = sum_splits(splits, block_t, 2 * NG)
     streams = tuple(range(n))  # Python tuples: the loops over them unroll while tracing
     num_tokens = T.dynamic("num_tokens")
+    part_len, count_tiles = T.dynamic("part_len"), T.dynamic("count_tiles")
 
     @T.prim_func
     def mhc_post_mix(
@@ -45,8 +54,10 @@ def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: 
         HPost: T.Tensor((num_tokens, n), "float32"),
         HRes: T.Tensor((num_tokens, n * n), "float32"),
         HPre: T.Tensor((num_tokens, n), "float32"),
+        Part: T.Tensor((part_len,), "float32"),  # used only with splits > 1
+        Count: T.Tensor((count_tiles,), "int32"),
     ):
-        with T.Kernel(T.ceildiv(num_tokens, block_t), threads=threads) as bx:
+        with T.Kernel(T.ceildiv(num_tokens, block_t), splits, threads=threads, prelude=SPLIT_SRC) as (bx, sp):
             # One buffer per stream, each filled by one bulk (TMA) copy.
             rs = [T.alloc_shared((block_t, block_k), "bfloat16") for _ in streams]
             ls = T.alloc_shared((block_t, block_k), "bfloat16")
@@ -72,8 +83,8 @@ def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: 
                 comb_s[t, j, k] = T.if_then_else(t0 + t < num_tokens, Comb[T.min(t0 + t, num_tokens - 1), j, k], 0.0)
             T.clear(mix2)
             T.clear(sq)
-            for kd in T.Pipelined(d_chunks, num_stages=num_stages):
-                d0 = kd * block_k
+            for kp in T.Pipelined(per_split, num_stages=num_stages):
+                d0 = (sp * per_split + kp) * block_k
                 for j in streams:
                     T.copy(Residual[t0:t0 + block_t, j, d0:d0 + block_k], rs[j])
                 T.copy(LayerOut[t0:t0 + block_t, d0:d0 + block_k], ls)
@@ -104,8 +115,12 @@ def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: 
             T.copy(mix2, mix2_s)
             for t in T.Parallel(block_t):
                 sumsq_s[t] = sumsq[t]
+            last = T.alloc_shared((1,), "int32")
+            if splits > 1:  # the tile's last CTA adds every split's partials, in split order
+                T.sync_threads()
+                sum_split_parts(Part, Count, mix2_s, sumsq_s, last, bx, sp)
             for t, r in T.Parallel(block_t, NG):
-                if t0 + t < num_tokens and r < N:
+                if (splits == 1 or last[0] == 1) and t0 + t < num_tokens and r < N:
                     inv_rms = weights.inv_rms(sumsq_s[t], n, D, rms_eps)
                     mix = mix2_s[t, r] + mix2_s[t, NG + r]
                     if r < n:
