@@ -19,7 +19,8 @@ def paged_decode_split_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
     its normalized partial (o, lse) to ``OPart`` / ``LsePart`` for the combine kernel. ``Sched[0]`` is
     the split length in tiles (the plan's). The cache scales (``KScale[0]``, ``VScale[0]``: the real value
     is stored x scale) fold into the softmax scale and the output; FP8 caches are copied to shared memory
-    as stored and widened to ``dtype`` there. ``min_blocks``: CTAs per SM the register allocation must
+    as stored and widened to fp16 there (one ``cvt`` per pair of elements; bf16 takes three on sm_90), q and P
+    rounded to fp16 for the products (exact for q in fp16's range: bf16's 8-bit significands fit fp16's 11). ``min_blocks``: CTAs per SM the register allocation must
     allow (more CTAs keep more K / V bytes in flight). ``split_rule``: the config's host-side keys (the
     plan's split rule), not used by the kernel."""
     G = num_heads // num_kv_heads
@@ -28,6 +29,7 @@ def paged_decode_split_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
     rows = pack * nq
     M = block_m(rows)
     fp8 = kv_dtype != dtype
+    mma_dtype = "float16" if fp8 else dtype  # the products' operand type (FP8 caches: fp16, see above)
     copies = page_size >= PAGE_COPIES_FROM
     rows_per_copy = min(page_size, block_N)
     page_copies = list(range(block_N // rows_per_copy))  # Python lists: unrolled at trace time
@@ -89,15 +91,15 @@ def paged_decode_split_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
     ):
         with T.Kernel(num_splits, num_heads // pack, batch, threads=THREADS) as (sp, hg, b):
             T.annotate_min_blocks_per_sm(min_blocks)
-            q_s = T.alloc_shared((M, head_dim), dtype)
-            k_s = T.alloc_shared((block_N, head_dim), dtype)
-            v_s = T.alloc_shared((block_N, head_dim), dtype)
+            q_s = T.alloc_shared((M, head_dim), mma_dtype)
+            k_s = T.alloc_shared((block_N, head_dim), mma_dtype)
+            v_s = T.alloc_shared((block_N, head_dim), mma_dtype)
             if fp8:
                 # Band-major ([band, row, column]): each page copy fills a contiguous box (the tiles are
                 # read by plain loads, so TileLang lays them out unswizzled).
                 k_in = T.alloc_shared((len(bands), block_N, band), kv_dtype)
                 v_in = T.alloc_shared((len(bands), block_N, band), kv_dtype)
-            p_s = T.alloc_shared((M, block_N), dtype)  # P via shared: every warp needs all of its rows
+            p_s = T.alloc_shared((M, block_N), mma_dtype)  # P via shared: every warp needs all of its rows
             acc_s = T.alloc_fragment((M, block_N), f32)
             acc_o = T.alloc_fragment((M, head_dim), f32)
             m_run = T.alloc_fragment((M,), f32)
@@ -121,8 +123,8 @@ def paged_decode_split_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
             qk_scale = T.alloc_var(f32, init=scale * KScale[0])
 
             for r, d in T.Parallel(M, head_dim):
-                q_s[r, d] = T.if_then_else(r < rows, Q[b * nq + T.min(r // pack, nq - 1), head0 + r % pack, d],
-                                           T.cast(0, dtype))
+                q_s[r, d] = T.if_then_else(r < rows, T.cast(Q[b * nq + T.min(r // pack, nq - 1), head0 + r % pack, d],
+                                                            mma_dtype), T.cast(0, mma_dtype))
             if use_alibi:
                 for r in T.Parallel(M):
                     slope[r] = AlibiSlopes[head0 + r % pack]
@@ -141,9 +143,9 @@ def paged_decode_split_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                     # Both tiles widened in one pass between the same two barriers (V beside K, not after the
                     # scores: measured 3-9% faster); V zeroed past the sequence end, as below.
                     for j, d in T.Parallel(block_N, head_dim):
-                        k_s[j, d] = T.cast(k_in[d // band, j, d % band], dtype)
-                        v_s[j, d] = T.if_then_else(kt * block_N + j < L, T.cast(v_in[d // band, j, d % band], dtype),
-                                                   T.cast(0, dtype))
+                        k_s[j, d] = T.cast(k_in[d // band, j, d % band], mma_dtype)
+                        v_s[j, d] = T.if_then_else(kt * block_N + j < L,
+                                                   T.cast(v_in[d // band, j, d % band], mma_dtype), T.cast(0, mma_dtype))
                 else:
                     load_tile(KCache, k_s, pids, BlockTables, b, kvh, L, kt)
                     load_tile(VCache, v_s, pids, BlockTables, b, kvh, L, kt)
