@@ -3,8 +3,9 @@ overlapped communication), every op keeps running on the SMs left and never wait
 (docs/design/mhc.md, "Shared GPU"). A holder kernel takes `held` SMs (one CTA per SM: its shared memory fills
 one) for HOLD_S seconds on a side stream; each op, run on another stream meanwhile, must finish long before.
 
-`python -m pytest -q -s tests/test_mhc_shared.py -m gpu` also prints each op's time alone and with SMs held
-against the target 1.3 x alone x SMs / (SMs - held) (printed, not asserted: timings of one call are noisy).
+`python -m pytest -q -s tests/test_mhc_shared.py -m gpu` also prints each op's time alone (the least of five
+calls) and with SMs held (the first call, and the least of three) against the target 1.3 x alone x SMs / (SMs -
+held) (printed, not asserted: timings of single calls are noisy).
 The holder leaves ~27 KB of shared memory and most thread slots of its SMs: kernels with small CTAs (apply,
 Sinkhorn, post) may still run there, kernels with large ones (mix, the one pass, post_mix) cannot.
 """
@@ -126,11 +127,13 @@ def test_runs_while_sms_are_held(case, held):
     with torch.cuda.stream(side):
         hold(done, int(HOLD_S * 1e9))
     time.sleep(0.1)  # the holder is resident
-    shared = _timed(run, main)
+    times = [_timed(run, main) for _ in range(3)]  # well within HOLD_S: all three run beside the holder
+    shared = min(times)
     side.synchronize()
     assert done.item() == held, "the holder did not run all its CTAs"
     target = 1.3 * alone * sms / (sms - held)
-    print(f"\n{case}: held {held}/{sms} SMs: alone {alone * 1e3:.3f} ms, shared {shared * 1e3:.3f} ms, "
-          f"target {target * 1e3:.3f} ms ({'met' if shared <= target else 'NOT met'})")
-    # Waiting for the holder would take the rest of HOLD_S; a third of it is far above any op's shared time.
-    assert shared < HOLD_S / 3, f"{case} waited for the other stream's kernel ({shared:.3f} s)"
+    print(f"\n{case}: held {held}/{sms} SMs: alone {alone * 1e3:.3f} ms, shared {shared * 1e3:.3f} ms (first call "
+          f"{times[0] * 1e3:.3f}), target {target * 1e3:.3f} ms ({'met' if shared <= target else 'NOT met'})")
+    # Waiting for the holder would take the rest of HOLD_S (the first call; later ones would then run alone); a
+    # third of it is far above any op's shared time.
+    assert times[0] < HOLD_S / 3, f"{case} waited for the other stream's kernel ({times[0]:.3f} s)"
