@@ -21,7 +21,7 @@ from .kernels.post import mhc_post_bwd_kernel, mhc_post_kernel
 from .kernels.post_pre import mhc_post_mix_kernel
 from .kernels.sinkhorn import mhc_pre_sinkhorn_kernel
 from .pre import check_sinkhorn_iters, split_workspace
-from .tiling import _D_PAD, _round_up, phi_split_rows
+from .tiling import _D_PAD, _round_up, check_splits, phi_split_rows, splits_fit
 
 MAX_N, MAX_D = 8, 16384  # the pre's range: the post feeds the next pre
 _THREADS = (128, 256)
@@ -203,12 +203,6 @@ def post_mix_smem_bytes(n: int, block_k: int, num_stages: int, block_t: int, **_
     return num_stages * stage + n * block_t * block_k * 2 + max(block_t * (n + n * n) * 4, block_t * (2 * NG + 1) * 4)
 
 
-def post_mix_splits(D: int, block_k: int, num_stages: int, splits: int) -> bool:
-    """Whether `splits` CTAs can share a tile's D chunks: a divisor of them, each split at least num_stages long."""
-    chunks = -(-D // block_k)
-    return chunks % splits == 0 and (splits == 1 or chunks // splits >= num_stages)
-
-
 def post_mix_config_space(n: int, D: int) -> list[dict]:
     """Chunk widths dividing _D_PAD (phi's padding), 1-4 stages, 64 or 128 tokens a tile (phi is read once per
     tile), one to four warpgroups (at least one per 64 tokens) and 1, 2 or 4 CTAs per tile, within shared
@@ -216,7 +210,7 @@ def post_mix_config_space(n: int, D: int) -> list[dict]:
     tiles = ((64, 128), (64, 256), (64, 512), (128, 256), (128, 512))  # (block_t, threads)
     return [dict(block_t=bt, threads=th, block_k=bk, num_stages=s, splits=sp) for bt, th in tiles
             for bk in (16, 32, 64, 128) for s in range(1, 5) for sp in (1, 2, 4)
-            if post_mix_smem_bytes(n, bk, s, bt) <= SMEM_BUDGET and post_mix_splits(D, bk, s, sp)]
+            if post_mix_smem_bytes(n, bk, s, bt) <= SMEM_BUDGET and splits_fit(-(-D // bk), s, sp)]
 
 
 def post_mix_default_config(n: int, D: int) -> dict:
@@ -283,10 +277,8 @@ class MHCPostPreTileLang(Op):
         check_choice("config['block_k']", self.config["block_k"], (16, 32, 64, 128))
         check_int("config['num_stages']", self.config["num_stages"], lo=1, hi=4)
         check_choice("config['splits']", self.config["splits"], (1, 2, 4))
-        if not post_mix_splits(D, self.config["block_k"], self.config["num_stages"], self.config["splits"]):
-            raise ValueError(f"config['splits']: expected a divisor of the {-(-D // self.config['block_k'])} column "
-                             f"chunks of D={D} (block_k={self.config['block_k']}) leaving each split at least "
-                             f"num_stages={self.config['num_stages']} of them, got {self.config['splits']}")
+        check_splits(self.config["splits"], -(-D // self.config["block_k"]), self.config["num_stages"],
+                     f"D={D} (block_k={self.config['block_k']})")
         smem = post_mix_smem_bytes(n, **self.config)
         if smem > SMEM_BUDGET:
             raise ValueError(f"config: expected a config within {SMEM_BUDGET} bytes of shared memory, "

@@ -36,8 +36,8 @@ from .kernels.fwd_mix import mhc_pre_apply_kernel, mhc_pre_mix_kernel
 from .kernels.phi_split import mhc_phi_split_kernel
 from .kernels.sinkhorn import mhc_pre_sinkhorn_kernel
 from .tiling import (_CLUSTER, _D_PAD, _SIDE_CONFIG, SINKHORN_MAX_ITERS, _round_up, _thread_choices, check_num_sms,
-                     forward_config_space, forward_default_config, fused_chunks, fused_fits, fused_smem_bytes,
-                     mix_chunks, mix_smem_bytes, phi_split_rows, side_tokens)
+                     check_splits, forward_config_space, forward_default_config, fused_chunks, fused_fits,
+                     fused_smem_bytes, mix_chunks, mix_smem_bytes, phi_split_rows, side_tokens)
 
 
 def check_x(x, n: int | None = None, D: int | None = None) -> None:
@@ -141,13 +141,9 @@ class MHCForwardPreTileLang(Op):
             check_int("config['block_k']", self.config["block_k"], lo=64, hi=_D_PAD, multiple_of=64)
             check_int("config['num_stages']", self.config["num_stages"], lo=1, hi=4)
             check_choice("config['threads']", self.config["threads"], _thread_choices(self.config["block_t"]))
-            chunks = mix_chunks(n, D, self.config["block_k"])
             check_int("config['splits']", self.config["splits"], lo=1, hi=16)
-            splits = self.config["splits"]
-            if chunks % splits or (splits > 1 and chunks // splits < self.config["num_stages"]):
-                raise ValueError(f"config['splits']: expected a divisor of the {chunks} column chunks of n={n}, D={D} "
-                                 f"(block_k={self.config['block_k']}) leaving each split at least num_stages="
-                                 f"{self.config['num_stages']} of them, got {splits}")
+            check_splits(self.config["splits"], mix_chunks(n, D, self.config["block_k"]), self.config["num_stages"],
+                         f"n={n}, D={D} (block_k={self.config['block_k']})")
             smem = mix_smem_bytes(n, **self.config)
         if smem > SMEM_BUDGET:
             raise ValueError(f"config: expected a config within {SMEM_BUDGET} bytes of shared memory, "

@@ -41,6 +41,19 @@ def mix_chunks(n: int, D: int, block_k: int) -> int:
     return n * _round_up(D, _D_PAD) // block_k
 
 
+def splits_fit(chunks: int, num_stages: int, splits: int) -> bool:
+    """Whether `splits` CTAs can share a tile's `chunks` column chunks (kernels/splits.py): a divisor of them,
+    each split at least num_stages long."""
+    return chunks % splits == 0 and (splits == 1 or chunks // splits >= num_stages)
+
+
+def check_splits(splits: int, chunks: int, num_stages: int, of: str) -> None:
+    """config['splits'] against `splits_fit`; `of` names the chunks' shape in the message."""
+    if not splits_fit(chunks, num_stages, splits):
+        raise ValueError(f"config['splits']: expected a divisor of the {chunks} column chunks of {of} leaving each "
+                         f"split at least num_stages={num_stages} of them, got {splits}")
+
+
 def mix_smem_bytes(n: int, block_t: int, block_k: int, num_stages: int, **_) -> int:
     """Shared memory of `mhc_pre_mix`: the x tile and phi's two parts, once per pipeline stage (TileLang
     overlays the epilogue's buffers on them; checked against its allocation)."""
@@ -103,8 +116,7 @@ def forward_config_space(n: int, D: int, single_pass: bool = False) -> list[dict
                 if fused_smem_bytes(n, r, s) <= SMEM_BUDGET]
     return [dict(block_t=bt, block_k=bk, num_stages=st, threads=th, splits=sp)
             for bt in (64, 128) for bk in (64, 128) for st in (2, 3, 4) for th in _thread_choices(bt) for sp in (1, 2, 4)
-            if mix_smem_bytes(n, bt, bk, st) <= SMEM_BUDGET and mix_chunks(n, D, bk) % sp == 0
-            and (sp == 1 or mix_chunks(n, D, bk) // sp >= st)]
+            if mix_smem_bytes(n, bt, bk, st) <= SMEM_BUDGET and splits_fit(mix_chunks(n, D, bk), st, sp)]
 
 
 def check_num_sms(num_sms) -> int:
