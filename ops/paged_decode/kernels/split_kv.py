@@ -20,9 +20,9 @@ def paged_decode_split_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
     the split length in tiles (the plan's). The cache scales (``KScale[0]``, ``VScale[0]``: the real value
     is stored x scale) fold into the softmax scale and the output; FP8 caches are copied to shared memory
     as stored and widened to fp16 there (one ``cvt`` per pair of elements; bf16 takes three on sm_90), q and P
-    rounded to fp16 for the products (exact for q in fp16's range: bf16's 8-bit significands fit fp16's 11). ``min_blocks``: CTAs per SM the register allocation must
-    allow (more CTAs keep more K / V bytes in flight). ``split_rule``: the config's host-side keys (the
-    plan's split rule), not used by the kernel."""
+    rounded to fp16 for the products (exact for q in fp16's range: bf16's 8-bit significands fit fp16's 11).
+    ``min_blocks``: CTAs per SM the register allocation must allow (more CTAs keep more K / V bytes in flight).
+    ``split_rule``: the config's host-side keys (the plan's split rule), not used by the kernel."""
     G = num_heads // num_kv_heads
     nq = num_q_tokens
     pack = head_pack(num_heads, num_kv_heads, nq)
@@ -144,8 +144,8 @@ def paged_decode_split_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                     # scores: measured 3-9% faster); V zeroed past the sequence end, as below.
                     for j, d in T.Parallel(block_N, head_dim):
                         k_s[j, d] = T.cast(k_in[d // band, j, d % band], mma_dtype)
-                        v_s[j, d] = T.if_then_else(kt * block_N + j < L,
-                                                   T.cast(v_in[d // band, j, d % band], mma_dtype), T.cast(0, mma_dtype))
+                        v_s[j, d] = T.if_then_else(kt * block_N + j < L, T.cast(v_in[d // band, j, d % band],
+                                                                                mma_dtype), T.cast(0, mma_dtype))
                 else:
                     load_tile(KCache, k_s, pids, BlockTables, b, kvh, L, kt)
                     load_tile(VCache, v_s, pids, BlockTables, b, kvh, L, kt)
