@@ -14,7 +14,7 @@ from ops.paged_decode import DecodePlan, PagedAttentionDecodeTileLang
 from ops.paged_decode import paged_attention_decode as paged_attention_decode_op
 from ops.paged_decode import schedule
 from ops.paged_decode.custom_ops import _spec as custom_op_spec
-from ops.paged_decode.kernels import paged_decode_split_kernel
+from ops.paged_decode.kernels import paged_decode_fp8_kernel, paged_decode_split_kernel
 from test_paged_prefill import paged_cache  # tests/ is on sys.path under pytest
 
 FP8 = torch.float8_e4m3fn
@@ -317,6 +317,8 @@ COMPILE_SPECS = [
          kv_layout="HND", num_q_tokens=8),
     dict(num_heads=16, num_kv_heads=2, head_dim=256, page_size=256, dtype=torch.bfloat16, kv_layout="NHD",
          kv_dtype=FP8, window_left=7),
+    dict(num_heads=12, num_kv_heads=4, head_dim=64, page_size=1, dtype=torch.float16, kv_layout="NHD",
+         kv_dtype=FP8, use_alibi=True, num_q_tokens=5),
 ]
 
 
@@ -326,7 +328,12 @@ COMPILE_SPECS = [
 def test_compiles_for_sm90a(spec):
     op = PagedAttentionDecodeTileLang(**spec)
     split = op.split_kernel.get_kernel_source()
-    assert "paged_decode_split" in split and "paged_decode_combine" in op.combine_kernel.get_kernel_source()
+    assert "paged_decode_combine" in op.combine_kernel.get_kernel_source()
+    if op._widens_in_registers(op.spec):  # the FP8 kernel that widens in registers: cp.async rows, mma.sync
+        assert "paged_decode_fp8" in split and "cp_async" in split and "tma_load" not in split
+        assert "mma_sync" in split and "__tl_cvt_fp8x2_to_half2" in split
+        return
+    assert "paged_decode_split" in split
     # pages of >= 16 rows: TMA page copies; smaller: cp.async row gathers
     assert ("tma_load" in split) == (spec["page_size"] >= schedule.PAGE_COPIES_FROM)
     assert ("cp_async" in split) == (spec["page_size"] < schedule.PAGE_COPIES_FROM)
@@ -342,6 +349,11 @@ def test_protocol():
         default, space = cls.default_config(spec), cls.config_space(spec)
         assert space and all(set(c) <= set(default) for c in space)
         assert default["num_stages"] in schedule.pipeline_stages(page_size)
+    fp8 = dict(cls.warm_specs[1], dtype="bfloat16", kv_dtype="float8_e4m3fn")  # 4 rows: the register kernel
+    assert cls.tunable_kernel(fp8) is paged_decode_fp8_kernel
+    default, space = cls.default_config(fp8), cls.config_space(fp8)
+    assert default["num_stages"] in schedule.FRAGMENT_STAGES and space
+    assert all(c["block_N"] in (64, 128) and c["num_stages"] in schedule.FRAGMENT_STAGES for c in space)
 
 
 # ----------------------------------------------------------------------------- custom ops (fake / meta)
@@ -396,9 +408,10 @@ def test_custom_op_traces_in_one_graph():
 
 
 def test_fp8_shared_memory_model():
-    """An FP8 cache's pipeline holds 8-bit stages and one 16-bit K / V tile they are widened into (the kernel's
-    allocations), not a 16-bit copy per stage: the bench specializations then budget registers for 3 CTAs per
-    SM, as their 16-bit twins do (measured 1.2-1.27x faster than 2 on an H200)."""
+    """An FP8 cache widened in shared memory (``split_kv``: head_dim 256, or more than 16 rows) holds 8-bit stages and
+    one 16-bit K / V tile they are widened into (the kernel's allocations), not a 16-bit copy per stage; the
+    register-widening kernel holds only its 8-bit ring, which its merge reuses. Both budget registers for 3 CTAs
+    per SM at the bench specializations, as the 16-bit twins do."""
     tile = 2 * 64 * 128  # K and V elements of a 64-row stage at head_dim 128
     qp = 2 * 16 * (128 + 64)  # the Q and P tiles of 4 rows (one 16-row mma tile)
     assert schedule.smem_bytes(4, 64, 2, 128, fp8=True) == qp + 2 * tile + 2 * tile
@@ -406,3 +419,7 @@ def test_fp8_shared_memory_model():
     assert schedule.smem_bytes(4, 64, 2, 128, fp8=False) == qp + 2 * 2 * tile
     for fp8 in (False, True):
         assert schedule.default_config(128, 64, rows=4, fp8=fp8)["min_blocks"] == 3
+    assert schedule.widens_in_registers(4, 128, True) and not schedule.widens_in_registers(4, 128, False)
+    assert not schedule.widens_in_registers(17, 128, True) and not schedule.widens_in_registers(4, 256, True)
+    assert schedule.fragment_smem_bytes(64, 4, 128) == 4 * 2 * 64 * 128
+    assert schedule.fragment_smem_bytes(64, 2, 64) == 4 * 32 * 36 * 4 + 4 * 16 * 2 * 4  # the merge is larger

@@ -162,6 +162,9 @@ NO_WARP_SPECIALIZATION = {"tl.disable_warp_specialized": True}
 # all warps, and its lifetime-based reuse would overlap a fast warp's later buffers with a slow warp's stages. The
 # kernel syncs its warps (sync_warp) and its block (sync_threads, outside the walks) itself.
 WARP_OWN_SHARED = {"tl.disable_thread_storage_sync": True, "tl.disable_shared_memory_reuse": True}
+# pass configs of a kernel that places its own block barriers (a cp.async ring synced once per tile): TileLang's
+# barriers around each shared access would add more per tile
+OWN_BARRIERS = {"tl.disable_thread_storage_sync": True}
 
 
 def compile_kernels(*prim_funcs, pass_configs: dict | None = None) -> list:

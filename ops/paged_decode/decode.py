@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 
 from ..common.protocol import Op
-from ..common.runtime import compile_kernels, resolve_config, sm_count
+from ..common.runtime import OWN_BARRIERS, compile_kernels, resolve_config, sm_count
 from ..common.validate import (check_bool, check_choice, check_float, check_int, check_scale, check_tensor,
                                dtype_name)
 from . import schedule
-from .kernels import paged_decode_combine_kernel, paged_decode_split_kernel
+from .kernels import paged_decode_combine_kernel, paged_decode_fp8_kernel, paged_decode_split_kernel
 
 DTYPES = (torch.float16, torch.bfloat16)
 FP8 = torch.float8_e4m3fn
@@ -93,13 +93,23 @@ class PagedAttentionDecodeTileLang(Op):
         rows = schedule.head_pack(spec["num_heads"], spec["num_kv_heads"], nq) * nq
         return schedule.default_config(spec["head_dim"], spec["page_size"], rows, spec.get("kv_dtype") == _TL_FP8)
 
+    @staticmethod
+    def _widens_in_registers(spec: dict) -> bool:
+        """Whether ``spec`` runs the register-widening FP8 kernel (a partial spec: no)."""
+        if "num_heads" not in spec:
+            return False
+        nq = spec.get("num_q_tokens", 1)
+        rows = schedule.head_pack(spec["num_heads"], spec["num_kv_heads"], nq) * nq
+        return schedule.widens_in_registers(rows, spec["head_dim"], spec.get("kv_dtype") == _TL_FP8)
+
     @classmethod
     def config_space(cls, spec: dict) -> list[dict]:
-        return schedule.config_space(spec.get("head_dim", 128), spec.get("page_size", 16))
+        rows = schedule.FRAGMENT_ROWS if cls._widens_in_registers(spec) else schedule.ROWS_MAX
+        return schedule.config_space(spec.get("head_dim", 128), spec.get("page_size", 16), rows)
 
     @classmethod
     def tunable_kernel(cls, spec: dict):
-        return paged_decode_split_kernel
+        return paged_decode_fp8_kernel if cls._widens_in_registers(spec) else paged_decode_split_kernel
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype | None = None, use_alibi: bool = False, window_left: int = -1,
@@ -134,18 +144,27 @@ class PagedAttentionDecodeTileLang(Op):
                      "scale": scale, "kv_layout": kv_layout, "num_q_tokens": num_q_tokens}
         self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
         cfg = self.config
-        check_choice("config['block_N']", cfg["block_N"], (32, 64, 128))  # >= 8 columns per warp
-        check_choice("config['num_stages']", cfg["num_stages"], schedule.pipeline_stages(page_size))
-        rows = schedule.head_pack(num_heads, num_kv_heads, num_q_tokens) * num_q_tokens
-        if not schedule.smem_fits(rows, cfg["block_N"], cfg["num_stages"], head_dim, kv_dtype == FP8):
+        in_registers = self._widens_in_registers(self.spec)
+        if in_registers:  # 16 or 32 keys a warp
+            check_choice("config['block_N']", cfg["block_N"], (64, 128))
+            check_choice("config['num_stages']", cfg["num_stages"], schedule.FRAGMENT_STAGES)
+            fits = schedule.fragment_smem_bytes(cfg["block_N"], cfg["num_stages"], head_dim) <= schedule.SMEM_LIMIT
+        else:
+            check_choice("config['block_N']", cfg["block_N"], (32, 64, 128))  # >= 8 columns per warp
+            check_choice("config['num_stages']", cfg["num_stages"], schedule.pipeline_stages(page_size))
+            rows = schedule.head_pack(num_heads, num_kv_heads, num_q_tokens) * num_q_tokens
+            fits = schedule.smem_fits(rows, cfg["block_N"], cfg["num_stages"], head_dim, kv_dtype == FP8)
+        if not fits:
             raise ValueError(f"config: block_N={cfg['block_N']} x num_stages={cfg['num_stages']} K/V tiles of "
                              f"head_dim {head_dim} exceed shared memory")
         check_int("config['min_blocks']", cfg["min_blocks"], lo=1, hi=schedule.MAX_CTAS_PER_SM)
         check_int("config['ctas_per_sm']", cfg["ctas_per_sm"], lo=1)
         check_int("config['min_split_tiles']", cfg["min_split_tiles"], lo=1)
+        # the register-widening kernel places its own block barriers (one per tile)
+        split = ((paged_decode_fp8_kernel(**self.spec, **cfg), OWN_BARRIERS) if in_registers else
+                 paged_decode_split_kernel(**self.spec, **cfg))
         self.split_kernel, self.combine_kernel = compile_kernels(
-            paged_decode_split_kernel(**self.spec, **cfg),
-            paged_decode_combine_kernel(num_heads, head_dim, tl_dtype, num_q_tokens, cfg["block_N"], window_left))
+            split, paged_decode_combine_kernel(num_heads, head_dim, tl_dtype, num_q_tokens, cfg["block_N"], window_left))
         self._plan_key = (tuple(sorted(self.spec.items())), cfg["block_N"])
 
     def _kv_shape(self, num_pages: int | None) -> list:

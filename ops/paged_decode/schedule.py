@@ -26,7 +26,9 @@ def block_m(rows: int) -> int:
     return 16 if rows <= 16 else 32
 
 
-MAX_CTAS_PER_SM = 3  # the register budget that fits 3 CTAs of 256 threads (78-79 registers, no spills)
+# the register budget: 3 CTAs of 256 threads (78-79 registers, no spills), or of the register-widening kernel's 128
+# (156-168 registers at head_dim 128)
+MAX_CTAS_PER_SM = 3
 
 
 def smem_bytes(rows: int, block_N: int, num_stages: int, head_dim: int, fp8: bool) -> int:
@@ -48,6 +50,26 @@ def min_blocks(rows: int, block_N: int, num_stages: int, head_dim: int, fp8: boo
     return max(1, min(MAX_CTAS_PER_SM, SMEM_PER_SM // per_cta))
 
 
+# The FP8 kernel that widens K and V in registers (kernels/split_kv_fp8.py): a 16-row query tile whose q and output
+# fragments stay in registers, so head_dim up to 128.
+FRAGMENT_HEAD_DIMS = (64, 128)
+FRAGMENT_ROWS = 16
+FRAGMENT_STAGES = (2, 3, 4, 6)
+
+
+def widens_in_registers(rows: int, head_dim: int, fp8: bool) -> bool:
+    """Whether the decode runs the FP8 kernel that widens K and V straight into its mma fragments (one 16-row
+    tile, head_dim <= 128); other FP8 specializations widen in shared memory (``split_kv``)."""
+    return fp8 and rows <= FRAGMENT_ROWS and head_dim in FRAGMENT_HEAD_DIMS
+
+
+def fragment_smem_bytes(block_N: int, num_stages: int, head_dim: int) -> int:
+    """Shared memory of the register-widening kernel: its ring of 8-bit K and V tiles, which the warps' merge
+    at the end reuses (four warps x 32 lanes x (head_dim / 2 + 4) fp32 outputs, and the rows' max and sum)."""
+    merge = 4 * 32 * (head_dim // 2 + 4) * 4 + 4 * 16 * 2 * 4
+    return max(num_stages * 2 * block_N * head_dim, merge)
+
+
 def pipeline_stages(page_size: int) -> tuple[int, ...]:
     """Software-pipeline depths that lower: whole-page copies (TMA, warp-specialized by TileLang) take 2
     or 3; the row gathers of small pages (cp.async) only 1 (2 fails in TileLang's codegen)."""
@@ -55,18 +77,27 @@ def pipeline_stages(page_size: int) -> tuple[int, ...]:
 
 
 def default_config(head_dim: int, page_size: int, rows: int = ROWS_MAX, fp8: bool = True) -> dict:
-    """block_N: KV tokens per pipeline stage (16 KiB of K per stage at 16-bit, head_dim 128; FP8 keeps the
+    """For the register-widening FP8 kernel (``widens_in_registers``): 128-token tiles (32 keys a warp) in a ring
+    of 2 (64 KiB at head_dim 128: three CTAs per SM, each with a tile in flight while it computes one; measured
+    2-7% faster than 64-token tiles in rings of 2-4). Otherwise: block_N: KV tokens per pipeline stage (16 KiB of K per stage at 16-bit, head_dim 128; FP8 keeps the
     rows and halves the bytes); num_stages: K/V tiles in flight; min_blocks: CTAs per SM the registers are
     budgeted for (``min_blocks``; rows and fp8 size its shared memory); ctas_per_sm: the split rule's target
     of CTAs per SM over the whole grid (several waves, so a GPU shared with another stream only adds
     waves); min_split_tiles: the shortest split worth its partial write and combine."""
+    if widens_in_registers(rows, head_dim, fp8):
+        per_cta = fragment_smem_bytes(128, 2, head_dim) + 1024
+        return {"block_N": 128, "num_stages": 2, "min_blocks": max(1, min(MAX_CTAS_PER_SM, SMEM_PER_SM // per_cta)),
+                "ctas_per_sm": 8, "min_split_tiles": 4}
     block_N, stages = 32 if head_dim == 256 else 64, pipeline_stages(page_size)[0]
     return {"block_N": block_N, "num_stages": stages, "min_blocks": min_blocks(rows, block_N, stages, head_dim, fp8),
             "ctas_per_sm": 8, "min_split_tiles": 4}
 
 
-def config_space(head_dim: int, page_size: int) -> list[dict]:
+def config_space(head_dim: int, page_size: int, rows: int = ROWS_MAX, fp8: bool = True) -> list[dict]:
     """Tile size x stages within shared memory for the autotuner (the split rule stays at its default)."""
+    if widens_in_registers(rows, head_dim, fp8):
+        return [{"block_N": n, "num_stages": s} for n in (64, 128) for s in FRAGMENT_STAGES
+                if fragment_smem_bytes(n, s, head_dim) <= SMEM_LIMIT]
     return [{"block_N": n, "num_stages": s} for n in (32, 64, 128) for s in pipeline_stages(page_size)
             if smem_fits(ROWS_MAX, n, s, head_dim, True)]
 

@@ -113,11 +113,11 @@ def autotune_case(page_size=16, batch_size=64, seq_len=8192, fp8=0):
 AUTOTUNE = {PagedAttentionDecodeTileLang.op_name: autotune_case}
 
 
-def _shared_gpu_case(batch_size, seq_len, page_size):
+def _shared_gpu_case(batch_size, seq_len, page_size, kv_dtype):
     """One decode step of a bench batch (plan once, run replayed as a CUDA graph, as engines run decode)."""
     def make():
-        op = PagedAttentionDecodeTileLang(H, HKV, D, page_size, torch.bfloat16)
-        batch = paged_batch(batch_size, seq_len, page_size)
+        op = PagedAttentionDecodeTileLang(H, HKV, D, page_size, torch.bfloat16, kv_dtype=kv_dtype)
+        batch = paged_batch(batch_size, seq_len, page_size, kv_dtype)
         plan = op.plan(batch["block_tables"], batch["seq_lens"])
         out = torch.empty_like(batch["q"])
         return graph_replay(lambda: op.run(batch["q"], batch["k_cache"], batch["v_cache"], plan, out=out),
@@ -126,5 +126,6 @@ def _shared_gpu_case(batch_size, seq_len, page_size):
 
 
 # scripts/shared_gpu.py: the decode while another stream holds some SMs
-SHARED_GPU = {f"paged_decode {tag} B={b} x {s}, page {ps}, CUDA graph": _shared_gpu_case(b, s, ps)
-              for tag, b, s, ps in (("(a)", 64, 8192, 16), ("(b)", 8, 65536, 64))}
+SHARED_GPU = {f"paged_decode {tag} B={b} x {s}, page {ps}, {kv} KV, CUDA graph": _shared_gpu_case(b, s, ps, dt)
+              for tag, b, s, ps in (("(a)", 64, 8192, 16), ("(b)", 8, 65536, 64))
+              for kv, dt in (("bf16", torch.bfloat16), ("fp8", FP8))}

@@ -1,0 +1,287 @@
+"""The split-KV paged decode kernel for FP8 caches whose warps widen K and V in registers, straight into the mma
+fragments: the 8-bit tiles are read from shared memory once, 16 bytes a load, and never written back widened.
+
+One CTA per (split, head group, sequence), as ``split_kv``: the ``pack`` query heads times the nq tokens are the 16
+rows of one m16n8k16 tile (rows <= 16). Its four warps split the keys of each KV tile (``block_N`` = 4 x KW keys):
+warp w takes keys w KW .. w KW + KW - 1 and keeps its own online softmax and output over the split; the four are
+merged once at the end, in warp order (deterministic). So the scores' accumulators are already the P operand of
+P @ V (no exchange of P through shared memory), and q sits in registers as the scores' A fragments for the whole
+split. The dot products are free in the order of head_dim, and the output in the order of its columns, so the
+fragments are assigned to make each lane's bytes contiguous:
+  - scores, k-step kb: lane (g, t)'s k-positions 2t, 2t + 1, 2t + 8, 2t + 9 are dims t TD + 4 kb + 0..3 (TD =
+    head_dim / 4), of q (A) and of K row 8 j + g (B): a lane reads TD contiguous bytes of each K row it needs;
+  - P @ V, n-tile nb: B's column g is dim g NB + nb (NB = head_dim / 8), so a lane reads NB contiguous bytes of
+    each of its four V rows (keys 2t, 2t + 1, 2t + 8, 2t + 9 of the k-step) and pairs the rows' bytes in registers;
+    the accumulators' columns 2t + e are dims (2t + e) NB + nb.
+The tiles arrive by cp.async (16 bytes a copy, each row gathered through the block table, positions past the
+sequence end clamped to its last key, whose values are finite and masked) in a ring of ``num_stages``, one block
+barrier per tile; shared rows are XOR-swizzled in 16-byte units per 128-byte line, so the fragment loads are free of
+bank conflicts at head_dim 128."""
+
+import tilelang.language as T
+
+from ...common.hw import LOG2E
+from ...htree.kernels.fragments import mma
+from ..schedule import THREADS, head_pack
+from .common import kv_tile_range, split_count
+
+WARPS = THREADS // 32
+
+
+def swizzled(row, byte, head_dim: int):
+    """Offset in a K / V tile of (row, byte): the 16-byte unit XOR the 128-byte line's index (mod 8)."""
+    lin = row * head_dim + byte
+    line = lin // 128
+    return line * 128 + T.bitwise_xor(lin % 128 // 16, line % 8) * 16 + lin % 16
+
+
+def paged_decode_fp8_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
+                            kv_dtype: str, use_alibi: bool, window_left: int, logits_soft_cap: float, scale: float,
+                            kv_layout: str, num_q_tokens: int, block_N: int = 64, num_stages: int = 4,
+                            min_blocks: int = 3, **split_rule):
+    """Arguments, launch and results as ``paged_decode_split_kernel`` (the module's docstring says how the work is
+    split). ``block_N``: keys per tile (64 or 128: 16 or 32 per warp); ``num_stages``: tiles in the cp.async ring;
+    ``min_blocks``: CTAs per SM the registers are capped for. ``split_rule``: the plan's keys, unused here."""
+    G = num_heads // num_kv_heads
+    nq = num_q_tokens
+    pack = head_pack(num_heads, num_kv_heads, nq)
+    rows = pack * nq
+    D, S = head_dim, num_stages
+    KW = block_N // WARPS  # keys per warp per tile
+    JN, PK = KW // 8, KW // 16  # n-tiles of the scores, k-steps of P @ V
+    KB, TD, NB = D // 16, D // 4, D // 8  # k-steps of the scores; a lane's K bytes a row; n-tiles of P @ V
+    CH = D // 16  # 16-byte units of a row
+    RPI = THREADS // CH  # rows one copy round covers
+    OS = 4 * NB + 4  # a lane's accumulators in the merge, padded (the lanes' float4 stores spread over the banks)
+    tile = block_N * D
+    cap = logits_soft_cap
+    f32, f16 = "float32", "float16"
+    total_q, batch, num_pages, max_pages, ws_rows, num_splits = T.dynamic(
+        "total_q, batch, num_pages, max_pages, ws_rows, num_splits")
+    kv_shape = ((num_pages, num_kv_heads, page_size, head_dim) if kv_layout == "HND" else
+                (num_pages, page_size, num_kv_heads, head_dim))
+
+    @T.macro
+    def issue(KCache, VCache, BlockTables, kv_s, b, kvh, L, kt, st, tx):
+        """Tile kt's K and V rows into stage st: 16 bytes a copy, the thread's rows tx / CH + RPI i."""
+        for i in T.unroll(block_N // RPI):
+            row = tx // CH + RPI * i
+            unit = tx % CH
+            pos = T.min(kt * block_N + row, L - 1)
+            pid = BlockTables[b, pos // page_size]
+            dst = swizzled(row, unit * 16, D)
+            if kv_layout == "HND":
+                T.ptx_cp_async(T.access_ptr(kv_s[st, 0, dst], "w", 16),
+                               T.access_ptr(KCache[pid, kvh, pos % page_size, unit * 16], "r", 16), 16)
+                T.ptx_cp_async(T.access_ptr(kv_s[st, 1, dst], "w", 16),
+                               T.access_ptr(VCache[pid, kvh, pos % page_size, unit * 16], "r", 16), 16)
+            else:
+                T.ptx_cp_async(T.access_ptr(kv_s[st, 0, dst], "w", 16),
+                               T.access_ptr(KCache[pid, pos % page_size, kvh, unit * 16], "r", 16), 16)
+                T.ptx_cp_async(T.access_ptr(kv_s[st, 1, dst], "w", 16),
+                               T.access_ptr(VCache[pid, pos % page_size, kvh, unit * 16], "r", 16), 16)
+
+    @T.prim_func
+    def paged_decode_fp8(
+        Q: T.Tensor((total_q, num_heads, head_dim), dtype),
+        KCache: T.Tensor(kv_shape, kv_dtype),
+        VCache: T.Tensor(kv_shape, kv_dtype),
+        BlockTables: T.Tensor((batch, max_pages), "int32"),
+        SeqLens: T.Tensor((batch,), "int32"),
+        AlibiSlopes: T.Tensor((num_heads,), f32),
+        KScale: T.Tensor((1,), f32),
+        VScale: T.Tensor((1,), f32),
+        Sched: T.Tensor((1,), "int32"),
+        Out: T.Tensor((total_q, num_heads, head_dim), dtype),
+        Lse: T.Tensor((total_q, num_heads), f32),
+        OPart: T.Tensor((ws_rows, num_splits, nq, num_heads, head_dim), f32),
+        LsePart: T.Tensor((ws_rows, num_splits, nq, num_heads), f32),
+    ):
+        with T.Kernel(num_splits, num_heads // pack, batch, threads=THREADS) as (sp, hg, b):
+            T.annotate_min_blocks_per_sm(min_blocks)
+            kv_s = T.alloc_shared((S, 2, tile), kv_dtype)
+            o_s = T.alloc_shared((WARPS, 32, OS), f32)  # the warps' outputs for the merge
+            ml_s = T.alloc_shared((WARPS, 16, 2), f32)  # and their rows' (max, sum)
+            qa = T.alloc_local((KB * 8,), f16)  # q as the scores' A fragments
+            q_in = T.alloc_local((TD,), dtype)
+            k8 = T.alloc_local((TD,), kv_dtype)
+            kf = T.alloc_local((TD,), f16)
+            v8 = T.alloc_local((4 * NB,), kv_dtype)
+            vp = T.alloc_local((4 * NB,), kv_dtype)
+            vf = T.alloc_local((4 * NB,), f16)
+            sc = T.alloc_local((4 * JN,), f32)
+            pa = T.alloc_local((8 * PK,), f16)
+            o = T.alloc_local((4 * NB,), f32)
+            m_run = T.alloc_local((2,), f32)
+            l_run = T.alloc_local((2,), f32)
+            m_use = T.alloc_local((2,), f32)
+            alpha = T.alloc_local((2,), f32)
+            slope = T.alloc_local((2,), f32)
+            qpos = T.alloc_local((2,), "int32")
+            res = T.alloc_local((NB,), f32)
+
+            tx = T.get_thread_binding()
+            w, lane = tx // 32, tx % 32
+            g, t = lane // 4, lane % 4
+            L = T.alloc_var("int32", init=SeqLens[b])
+            kvh = hg // (G // pack)
+            head0 = hg * pack
+            first, n_tiles = kv_tile_range(L, nq, block_N, window_left)
+            tiles_per_split = T.alloc_var("int32", init=Sched[0])
+            n_split = T.alloc_var("int32", init=split_count(n_tiles, tiles_per_split, num_splits))
+            k_first = T.alloc_var("int32", init=first + sp * tiles_per_split)
+            steps = T.alloc_var("int32", init=T.if_then_else(
+                sp < n_split, T.if_then_else(sp == n_split - 1, n_tiles - sp * tiles_per_split, tiles_per_split),
+                0))
+            qk_scale = T.alloc_var(f32, init=scale * KScale[0])
+
+            for st in T.unroll(S - 1):  # the ring's first tiles in flight before q is read
+                if st < steps:
+                    issue(KCache, VCache, BlockTables, kv_s, b, kvh, L, k_first + st, st, tx)
+                T.ptx_commit_group()
+
+            # q's rows g and g + 8 (row r: token r // pack, head r % pack; rows >= rows are zero), rounded to fp16
+            for rr in T.unroll(2):
+                r = g + 8 * rr
+                for c in T.unroll(TD // 8):
+                    for e in T.vectorized(8):
+                        q_in[8 * c + e] = Q[b * nq + T.min(r // pack, nq - 1), head0 + r % pack, t * TD + 8 * c + e]
+                for kb in T.unroll(KB):
+                    for h in T.unroll(2):
+                        for e in T.unroll(2):
+                            qa[8 * kb + 4 * h + 2 * rr + e] = T.if_then_else(
+                                r < rows, T.cast(q_in[4 * kb + 2 * h + e], f16), T.cast(0, f16))
+                qpos[rr] = L - nq + T.min(r // pack, nq - 1)
+                if use_alibi:
+                    slope[rr] = AlibiSlopes[head0 + r % pack]
+                m_run[rr] = -T.infinity(f32)
+                l_run[rr] = 0
+            for i in T.unroll(4 * NB):
+                o[i] = 0
+
+            for it in T.serial(steps):
+                T.ptx_wait_group(S - 2)
+                T.sync_threads()  # tile it landed for every thread; every warp is done with tile it - 1's stage
+                if it + S - 1 < steps:
+                    issue(KCache, VCache, BlockTables, kv_s, b, kvh, L, k_first + it + S - 1, (it + S - 1) % S, tx)
+                T.ptx_commit_group()
+                st = it % S
+                kt = k_first + it
+                # scores of the warp's keys: [4 j + e] is row g + 8 (e // 2), key w KW + 8 j + 2 t + e % 2
+                for j in T.unroll(JN):
+                    row = w * KW + 8 * j + g
+                    for c in T.unroll(TD // 16):
+                        for e in T.vectorized(16):
+                            k8[16 * c + e] = kv_s[st, 0, swizzled(row, t * TD + 16 * c, D) + e]
+                    for x in T.unroll(TD // 2):
+                        for e in T.vectorized(2):
+                            kf[2 * x + e] = T.cast(k8[2 * x + e], f16)
+                    for e in T.unroll(4):
+                        sc[4 * j + e] = 0
+                    for kb in T.unroll(KB):
+                        mma(qa, 8 * kb, kf, 4 * kb, sc, 4 * j, f16)
+                for j in T.unroll(JN):
+                    for e in T.unroll(4):
+                        rr = e // 2
+                        key = kt * block_N + w * KW + 8 * j + 2 * t + e % 2
+                        x = sc[4 * j + e] * qk_scale
+                        if cap > 0:
+                            x = cap * T.tanh(x / cap)
+                        if use_alibi:
+                            x = x + slope[rr] * T.cast(key - qpos[rr], f32)
+                        visible = T.And(key <= qpos[rr], g + 8 * rr < rows)
+                        if window_left >= 0:
+                            visible = T.And(visible, key >= qpos[rr] - window_left)
+                        sc[4 * j + e] = T.if_then_else(visible, x * LOG2E, -T.infinity(f32))
+                # the warp's online softmax per row (the quad's four lanes hold a row's KW keys)
+                for rr in T.unroll(2):
+                    mt = T.alloc_var(f32, init=-T.infinity(f32))
+                    for j in T.unroll(JN):
+                        for e in T.unroll(2):
+                            mt = T.max(mt, sc[4 * j + 2 * rr + e])
+                    mt = T.max(mt, T.shfl_xor(mt, 1))
+                    mt = T.max(mt, T.shfl_xor(mt, 2))
+                    # a row that saw no key yet keeps a -inf max and takes exp2 from 0 (P = 0, no NaN)
+                    mt = T.max(m_run[rr], mt)
+                    m_use[rr] = T.if_then_else(mt > -T.infinity(f32), mt, 0)
+                    alpha[rr] = T.exp2(m_run[rr] - m_use[rr])
+                    m_run[rr] = mt
+                    l_run[rr] *= alpha[rr]
+                for j in T.unroll(JN):
+                    for e in T.unroll(4):
+                        sc[4 * j + e] = T.exp2(sc[4 * j + e] - m_use[e // 2])
+                        l_run[e // 2] += sc[4 * j + e]
+                for i in T.unroll(4 * NB):
+                    o[i] *= alpha[i % 4 // 2]
+                for i in T.unroll(8 * PK):
+                    pa[i] = T.cast(sc[i], f16)
+                # O += P V: per k-step, the lane's V rows 2t, 2t + 1, 2t + 8, 2t + 9 (dims g NB ..), paired in
+                # registers ([4 nb + 2 h + e]: key 8 h + 2 t + e, dim g NB + nb)
+                for pk in T.unroll(PK):
+                    for h in T.unroll(2):
+                        for e in T.unroll(2):
+                            row = w * KW + 16 * pk + 8 * h + 2 * t + e
+                            for x in T.vectorized(NB):
+                                v8[(2 * h + e) * NB + x] = kv_s[st, 1, swizzled(row, g * NB, D) + x]
+                    for nb in T.unroll(NB):
+                        for h in T.unroll(2):
+                            for e in T.unroll(2):
+                                vp[4 * nb + 2 * h + e] = v8[(2 * h + e) * NB + nb]
+                    for x in T.unroll(2 * NB):
+                        for e in T.vectorized(2):
+                            vf[2 * x + e] = T.cast(vp[2 * x + e], f16)
+                    for nb in T.unroll(NB):
+                        mma(pa, 8 * pk, vf, 4 * nb, o, 4 * nb, f16)
+
+            # merge the warps in warp order: rows g, g + 8 of every warp's (max, sum, output)
+            for rr in T.unroll(2):
+                l_run[rr] += T.shfl_xor(l_run[rr], 1)
+                l_run[rr] += T.shfl_xor(l_run[rr], 2)
+            T.sync_threads()
+            for i in T.unroll(NB):
+                for e in T.vectorized(4):
+                    o_s[w, lane, 4 * i + e] = o[4 * i + e]
+            if t == 0:
+                for rr in T.unroll(2):
+                    ml_s[w, g + 8 * rr, 0] = m_run[rr]
+                    ml_s[w, g + 8 * rr, 1] = l_run[rr]
+            T.sync_threads()
+            v_mult = T.alloc_var(f32, init=VScale[0])
+            # warp w finishes n-tiles w NB / 4 .. of every lane's rows: [i] is n-tile w NB / 4 + i // 4, row
+            # g + 8 (i % 4 // 2), dim (2 t + i % 2) NB + that n-tile
+            NW = NB // WARPS
+            for rr in T.unroll(2):
+                r = g + 8 * rr
+                mx = T.alloc_var(f32, init=-T.infinity(f32))
+                for u in T.unroll(WARPS):
+                    mx = T.max(mx, ml_s[u, r, 0])
+                mx = T.if_then_else(mx > -T.infinity(f32), mx, 0)
+                total = T.alloc_var(f32, init=0)
+                for u in T.unroll(WARPS):
+                    total += ml_s[u, r, 1] * T.exp2(ml_s[u, r, 0] - mx)
+                for i in T.unroll(NW):
+                    for e in T.unroll(2):
+                        acc = T.alloc_var(f32, init=0)
+                        for u in T.unroll(WARPS):
+                            acc += o_s[u, lane, 4 * (w * NW + i) + 2 * rr + e] * T.exp2(ml_s[u, r, 0] - mx)
+                        res[e * NW + i] = T.if_then_else(total > 0, acc * v_mult / total, 0)
+                lse = T.if_then_else(total > 0, (mx + T.log2(total)) / LOG2E, -T.infinity(f32))
+                if r < rows:
+                    qrow = b * nq + r // pack
+                    head = head0 + r % pack
+                    # the split / direct choice per thread, outside any parallel loop
+                    if n_split == 1:
+                        if sp == 0:
+                            for e in T.unroll(2):
+                                for i in T.vectorized(NW):
+                                    Out[qrow, head, (2 * t + e) * NB + w * NW + i] = T.cast(res[e * NW + i], dtype)
+                            if w == 0 and t == 0:
+                                Lse[qrow, head] = lse
+                    elif sp < n_split:
+                        for e in T.unroll(2):
+                            for i in T.vectorized(NW):
+                                OPart[b, sp, r // pack, head, (2 * t + e) * NB + w * NW + i] = res[e * NW + i]
+                        if w == 0 and t == 0:
+                            LsePart[b, sp, r // pack, head] = lse
+
+    return paged_decode_fp8
