@@ -1,2 +1,2 @@
-"""TileLang building blocks shared by several operators' kernels: radix-select steps (``radix``) and
-online-softmax pieces (``softmax``). Each is a ``T.macro`` (inlined where it is called)."""
+"""TileLang building blocks shared by several operators' kernels: radix-select steps (``radix``), online-softmax
+pieces (``softmax``) and an mma.sync tile on register fragments (``mma``). Each is inlined where it is called."""

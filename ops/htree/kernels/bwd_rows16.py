@@ -20,9 +20,10 @@ The query and dO rows are read per tile from shared memory, V gathered after the
 for dq, so that 3 CTAs per SM fit without spills (168 registers) at G <= 8."""
 
 from ...common.hw import LOG2E
+from ...common.tl.mma import mma
 from ..tree import MAX_LAYERS
 from .bwd_common import lower_layer_tiles, unrotate
-from .fragments import child, mma, rope_pair
+from .fragments import child, rope_pair
 
 import tilelang.language as T  # noqa: E402
 

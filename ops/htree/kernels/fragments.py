@@ -5,6 +5,7 @@ states."""
 import math
 import struct
 
+from ...common.tl.mma import mma
 from ..tree import RIGHTMOST_IMPORTANCE
 
 import tilelang.language as T  # noqa: E402  (after the runtime set the cache dir)
@@ -42,14 +43,6 @@ def split_halves(v, hi, lo, i):
 def rope_pair(x, y, cos, sin):
     """Rotate-half RoPE of the pair (x, y) = (v[i], v[i + K/2]) at the angle of (cos, sin)."""
     return x * cos - y * sin, x * sin + y * cos
-
-
-def mma(a, ai, b, bi, c, ci, dtype: str = "float32"):
-    """c[ci:ci+4] += a @ b for one tile held in registers, in the PTX fragment layouts: fp32 as an m16n8k8 TF32
-    tile (a at ai, four values; b at bi, two), 16-bit as m16n8k16 (eight and four); c four fp32."""
-    shape, ab = {"float32": ("m16n8k8", "tf32"), "float16": ("m16n8k16", "fp16"),
-                 "bfloat16": ("m16n8k16", "bf16")}[dtype]
-    return T.ptx_mma("float32", shape, "row", "col", ab, ab, "fp32", a.data, ai, b.data, bi, c.data, ci, False)
 
 
 def split_operands(dtype: str, fp32_precision: str = "highest") -> bool:

@@ -2,9 +2,10 @@
 products whose operands go from the gathers straight into the PTX register fragments."""
 
 from ...common.hw import LOG2E
+from ...common.tl.mma import mma
 from ...common.tl.softmax import NEG
 from ..tree import pack_bits
-from .fragments import child, mma, rope_pair, split_halves, warp_scales, warp_state_in, warp_state_out
+from .fragments import child, rope_pair, split_halves, warp_scales, warp_state_in, warp_state_out
 
 import tilelang.language as T  # noqa: E402
 

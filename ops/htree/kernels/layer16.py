@@ -4,9 +4,10 @@ operands gathered straight into m16n8k16 mma.sync register fragments and K pre-r
 import math
 
 from ...common.hw import LOG2E
+from ...common.tl.mma import mma
 from ...common.tl.softmax import NEG
 from ..tree import pack_bits
-from .fragments import (FLT_MIN, child, mma, packed_key, rope_pair, warp_scales, warp_state_in,
+from .fragments import (FLT_MIN, child, packed_key, rope_pair, warp_scales, warp_state_in,
                         warp_state_out)
 from .select import compact_winners, select_top_k
 

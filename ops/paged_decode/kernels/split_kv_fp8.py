@@ -21,7 +21,7 @@ bank conflicts at head_dim 128."""
 import tilelang.language as T
 
 from ...common.hw import LOG2E
-from ...htree.kernels.fragments import mma
+from ...common.tl.mma import mma
 from ..schedule import THREADS, head_pack
 from .common import kv_tile_range, split_count
 
