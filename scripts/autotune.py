@@ -31,7 +31,7 @@ def autotune(op, call_inputs, warmup=10, rep=50):
     # the function's closure, so no functools.partial): the specialization rides along in every config.
     configs = [dict(op.spec, **c) for c in op.config_space(op.spec)]
     tuner = AutoTuner.from_kernel(op.tunable_kernel(op.spec), configs)
-    tuner.set_compile_args(target=runtime.target())
+    tuner.set_compile_args(target=runtime.target(), pass_configs=op.tunable_pass_configs(op.spec))
     with set_autotune_inputs(list(op.tune_args(*call_inputs))):
         tuner.set_profile_args(skip_check=True)  # freezes the captured inputs; outputs are checked by tests
         result = tuner.run(warmup=warmup, rep=rep)

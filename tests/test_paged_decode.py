@@ -351,6 +351,9 @@ def test_protocol():
         assert default["num_stages"] in schedule.pipeline_stages(page_size)
     fp8 = dict(cls.warm_specs[1], dtype="bfloat16", kv_dtype="float8_e4m3fn")  # 4 rows: the register kernel
     assert cls.tunable_kernel(fp8) is paged_decode_fp8_kernel
+    # the autotuner builds it as the op does: with the kernel's own barriers only
+    assert cls.tunable_pass_configs(fp8) == {"tl.disable_thread_storage_sync": True}
+    assert cls.tunable_pass_configs(dict(fp8, kv_dtype="bfloat16")) is None
     default, space = cls.default_config(fp8), cls.config_space(fp8)
     assert default["num_stages"] in schedule.FRAGMENT_STAGES and space
     assert all(c["block_N"] in (64, 128) and c["num_stages"] in schedule.FRAGMENT_STAGES for c in space)

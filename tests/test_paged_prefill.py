@@ -529,6 +529,11 @@ def test_protocol():
         spec = dict(head_dim=d, dtype=dtype, page_size=page_size)
         default, space = cls.default_config(spec), cls.config_space(spec)
         assert space and all(set(c) == set(default) for c in space)
+        # the autotuner builds the kernel with the op's pass configs: fast math, and the warp-specialized kernel's
+        # buffer-init check off
+        configs = cls.tunable_pass_configs(spec)
+        assert configs["tl.enable_fast_math"] is True
+        assert configs.get("tl.disable_buffer_init_check", False) == (dtype != "float32" and page_size >= 16)
 
 
 # ----------------------------------------------------------------------------- custom op (fake / meta)

@@ -11,6 +11,8 @@ Class methods, each taking a spec dict
   ``config_space(spec)``    the configs the autotuner may try (empty: nothing to tune)
   ``tunable_kernel(spec)``  the builder the autotuner times, called as ``builder(**spec, **config)`` and
                             returning a ``T.prim_func``; None when the op has nothing to tune
+  ``tunable_pass_configs(spec)``  the TileLang pass configs the op builds that kernel with (None: the defaults),
+                            so that the autotuner times what the op runs
 Instance attributes and methods
   ``spec``, ``config``      as above
   ``tune_args(*inputs)``    the tunable kernel's arguments for the call inputs ``inputs``
@@ -44,6 +46,10 @@ class Op:
 
     @classmethod
     def tunable_kernel(cls, spec: dict) -> Callable | None:
+        return None
+
+    @classmethod
+    def tunable_pass_configs(cls, spec: dict) -> dict | None:
         return None
 
     def tune_args(self, *inputs) -> tuple:

@@ -111,6 +111,11 @@ class PagedAttentionDecodeTileLang(Op):
     def tunable_kernel(cls, spec: dict):
         return paged_decode_fp8_kernel if cls._widens_in_registers(spec) else paged_decode_split_kernel
 
+    @classmethod
+    def tunable_pass_configs(cls, spec: dict) -> dict | None:
+        # the register-widening kernel places its own block barriers (one per tile)
+        return OWN_BARRIERS if cls._widens_in_registers(spec) else None
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype | None = None, use_alibi: bool = False, window_left: int = -1,
                  logits_soft_cap: float = 0.0, scale: float | None = None, kv_layout: str = "HND",
@@ -160,9 +165,7 @@ class PagedAttentionDecodeTileLang(Op):
         check_int("config['min_blocks']", cfg["min_blocks"], lo=1, hi=schedule.MAX_CTAS_PER_SM)
         check_int("config['ctas_per_sm']", cfg["ctas_per_sm"], lo=1)
         check_int("config['min_split_tiles']", cfg["min_split_tiles"], lo=1)
-        # the register-widening kernel places its own block barriers (one per tile)
-        split = ((paged_decode_fp8_kernel(**self.spec, **cfg), OWN_BARRIERS) if in_registers else
-                 paged_decode_split_kernel(**self.spec, **cfg))
+        split = (self.tunable_kernel(self.spec)(**self.spec, **cfg), self.tunable_pass_configs(self.spec))
         self.split_kernel, self.combine_kernel = compile_kernels(
             split, paged_decode_combine_kernel(num_heads, head_dim, tl_dtype, num_q_tokens, cfg["block_N"], window_left))
         self._plan_key = (tuple(sorted(self.spec.items())), cfg["block_N"])

@@ -118,6 +118,18 @@ class PagedAttentionPrefillTileLang(Op):
     def tunable_kernel(cls, spec: dict):
         return paged_prefill_kernel
 
+    @classmethod
+    def tunable_pass_configs(cls, spec: dict) -> dict:
+        # Fast math: exp2 and the final division as single approximate instructions (well inside
+        # the error of the bf16/fp16 probabilities fed to the second product).
+        pass_configs = {"tl.enable_fast_math": True}
+        if warp_specialized(spec["dtype"], spec["page_size"]):
+            # TileLang's buffer-init check flags `acc_p`, which a KV step's P @ V reads and the previous
+            # step writes (a loop-carried value): step 0 issues no P @ V and the last one runs only after a
+            # step, so no path reads it unwritten. The check's only finding there; it is off for this kernel.
+            pass_configs["tl.disable_buffer_init_check"] = True
+        return pass_configs
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int | None = None, page_size: int | None = None,
                  dtype: torch.dtype | None = None, use_alibi: bool = False, scale: float | None = None,
                  kv_layout: str = "HND", window_left: int = -1, logits_soft_cap: float = 0.0,
@@ -172,15 +184,8 @@ class PagedAttentionPrefillTileLang(Op):
             self.spec["kv_dtype"] = _TL_FP8
         self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
         self._no_alibi, self._unit_scales = {}, {}
-        # Fast math: exp2 and the final division as single approximate instructions (well inside
-        # the error of the bf16/fp16 probabilities fed to the second product).
-        pass_configs = {"tl.enable_fast_math": True}
-        if warp_specialized(tl_dtype, page_size):
-            # TileLang's buffer-init check flags `acc_p`, which a KV step's P @ V reads and the previous
-            # step writes (a loop-carried value): step 0 issues no P @ V and the last one runs only after a
-            # step, so no path reads it unwritten. The check's only finding there; it is off for this kernel.
-            pass_configs["tl.disable_buffer_init_check"] = True
-        self.kernel = compile_kernel(paged_prefill_kernel(**self.spec, **self.config), pass_configs=pass_configs)
+        self.kernel = compile_kernel(paged_prefill_kernel(**self.spec, **self.config),
+                                     pass_configs=self.tunable_pass_configs(self.spec))
         # The persistent kernel's work counter and cluster mailboxes: zeros, one per grid cluster and more.
         self.sched_len = self.spec["num_ctas"] + 2 if warp_specialized(tl_dtype, page_size) else 0
         tile_m = self.config.get("block_M", WS_BLOCK_M)
