@@ -1,4 +1,5 @@
-"""What the split-KV decode kernel and the combine share: a sequence's KV tile range and split count."""
+"""What the split-KV decode kernels and the combine share: a sequence's KV tile range, split count and the tiles
+of one split."""
 
 import tilelang.language as T
 
@@ -15,3 +16,10 @@ def split_count(n_tiles, tiles_per_split, num_splits):
     """Splits of a sequence of n_tiles: ceil(n_tiles / tiles_per_split), at most num_splits (the grid's;
     the last split then takes the rest, so lengths grown past the plan's stay correct) and at least 1."""
     return T.max(T.min(T.ceildiv(n_tiles, tiles_per_split), num_splits), 1)
+
+
+def split_steps(sp, n_split, n_tiles, tiles_per_split):
+    """KV tiles of split sp of a sequence of n_tiles in n_split splits: tiles_per_split each, the rest in the last
+    one, none past the last."""
+    return T.if_then_else(sp < n_split, T.if_then_else(sp == n_split - 1, n_tiles - sp * tiles_per_split,
+                                                       tiles_per_split), 0)

@@ -23,7 +23,7 @@ import tilelang.language as T
 from ...common.hw import LOG2E
 from ...common.tl.mma import mma
 from ..schedule import THREADS, head_pack
-from .common import kv_tile_range, split_count
+from .common import kv_tile_range, split_count, split_steps
 
 WARPS = THREADS // 32
 
@@ -130,9 +130,7 @@ def paged_decode_fp8_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             tiles_per_split = T.alloc_var("int32", init=Sched[0])
             n_split = T.alloc_var("int32", init=split_count(n_tiles, tiles_per_split, num_splits))
             k_first = T.alloc_var("int32", init=first + sp * tiles_per_split)
-            steps = T.alloc_var("int32", init=T.if_then_else(
-                sp < n_split, T.if_then_else(sp == n_split - 1, n_tiles - sp * tiles_per_split, tiles_per_split),
-                0))
+            steps = T.alloc_var("int32", init=split_steps(sp, n_split, n_tiles, tiles_per_split))
             qk_scale = T.alloc_var(f32, init=scale * KScale[0])
 
             for st in T.unroll(S - 1):  # the ring's first tiles in flight before q is read
