@@ -37,7 +37,7 @@ def swizzled(row, byte, head_dim: int):
 
 def paged_decode_fp8_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
                             kv_dtype: str, use_alibi: bool, window_left: int, logits_soft_cap: float, scale: float,
-                            kv_layout: str, num_q_tokens: int, block_N: int = 64, num_stages: int = 4,
+                            kv_layout: str, num_q_tokens: int, block_N: int = 128, num_stages: int = 2,
                             min_blocks: int = 3, **split_rule):
     """Arguments, launch and results as ``paged_decode_split_kernel`` (the module's docstring says how the work is
     split). ``block_N``: keys per tile (64 or 128: 16 or 32 per warp); ``num_stages``: tiles in the cp.async ring;
