@@ -10,7 +10,8 @@ from golden.mhc_post import (mhc_post, mhc_post_backward, mhc_post_backward_auto
 from golden.mhc_pre import random_inputs as pre_inputs
 from ops.common import runtime as _runtime
 from ops.mhc.post import (MHCPostBackwardTileLang, MHCPostPreTileLang, MHCPostTileLang, check_post_inputs,
-                          post_mix_config_space, post_mix_default_config, post_mix_smem_bytes)
+                          post_mix_config_space, post_mix_default_config, post_mix_small_config, post_mix_smem_bytes)
+from ops.mhc.tiling import small_tokens_limit
 from ops.mhc.custom_ops import mhc_post as mhc_post_fn
 from ops.mhc.custom_ops import mhc_post_pre as mhc_post_pre_fn
 
@@ -345,6 +346,13 @@ def test_post_pre_kernels_compile_for_sm90a(n, D, iters):
         split = MHCPostPreTileLang(n, D, sinkhorn_iters=iters, config={"splits": 2}) if D % 128 == 0 else None
         if split is not None:  # its last CTA per tile adds the partials
             assert split._mix.get_kernel_source().count("mhc_last_split(") == 2
+        # small token counts: the default's tiles with their chunks split (D = 4096 / 7168: 8 CTAs per tile)
+        small = post_mix_small_config(n, D)
+        assert (op._small is None) == (small is None) and (small is None or small["splits"] == 8)
+        if small is not None:
+            assert op._small[1] == small and op._small[0].get_kernel_source().count("mhc_last_split(") == 2
+            limit = small_tokens_limit(small["splits"], _runtime.sm_count())
+            assert op._mix_for(limit, None)[0] is op._small[0] and op._mix_for(limit + 1, None)[0] is op._mix
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -516,6 +524,26 @@ def test_post_pre_split_chunks(poisoned):
     for name, g, r, tol in zip(("h_in", "h_post", "h_res"), got[1:], ref, (8e-3, 2e-3, 2e-3)):
         assert rel_err(g, r) <= tol, f"{name}: rel err {rel_err(g, r):.2e} > {tol}"
     assert all(torch.equal(a, b) for a, b in zip(got, split(*post_in, phi, alpha, bias)))
+
+
+@pytest.mark.gpu
+def test_post_pre_small_token_kernel_at_its_limit(poisoned):
+    """The bench shape at the small-token kernel's last token count and one past it, against the golden, the new
+    residual bitwise equal to the unsplit kernel's (the same formula per element), bitwise reproducible."""
+    n, D, iters = 4, 4096, 20
+    op = MHCPostPreTileLang(n, D, sinkhorn_iters=iters)
+    pinned = MHCPostPreTileLang(n, D, sinkhorn_iters=iters, config=post_mix_default_config(n, D))
+    limit = small_tokens_limit(op._small[1]["splits"], _runtime.sm_count())
+    _, phi, alpha, bias = pre_inputs(1, 1, n, D, device="cuda")
+    for tokens in (1, limit, limit + 1):
+        post_in = _cuda_inputs((tokens,), n, D)
+        ref = mhc_post_pre(*post_in, phi.double(), alpha.double(), bias.double(), sinkhorn_iters=iters)[1:]
+        with poisoned():
+            got = op(*post_in, phi, alpha, bias)
+        assert torch.equal(got[0], pinned(*post_in, phi, alpha, bias)[0])
+        for name, g, r, tol in zip(("h_in", "h_post", "h_res"), got[1:], ref, (8e-3, 2e-3, 2e-3)):
+            assert not torch.isnan(g).any() and rel_err(g, r) <= tol, f"{name} ({tokens} tokens): {rel_err(g, r):.2e}"
+        assert all(torch.equal(a, b) for a, b in zip(got, op(*post_in, phi, alpha, bias)))
 
 
 @pytest.mark.gpu

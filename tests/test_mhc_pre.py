@@ -10,7 +10,7 @@ import torch
 from golden.mhc_pre import mhc_forward_pre, random_inputs, sinkhorn
 from ops import MHCForwardPreTileLang
 from ops.common import runtime as _runtime
-from ops.mhc.tiling import fused_fits
+from ops.mhc.tiling import forward_small_config, fused_fits, small_tokens_limit
 
 
 def loop_sinkhorn(z, iters, hc_eps):
@@ -217,6 +217,28 @@ def test_split_mix_compiles_for_sm90a():
     assert "mhc_last_split(" in src and "mhc_ld_cg(" in src
     one = MHCForwardPreTileLang(2, 8, 4, 4096)._mix.get_kernel_source()
     assert "mhc_last_split(" not in one.split("__global__")[-1]
+
+
+def test_small_token_config():
+    """Small token counts: 64-token tiles whose columns split over the widest of 8 / 4 / 2 CTAs that leaves each
+    split at least 8 column chunks, up to the token count whose grid is about two CTAs per SM."""
+    assert forward_small_config(4, 4096) == dict(block_t=64, block_k=128, num_stages=3, threads=128, splits=8)
+    assert forward_small_config(4, 1024)["splits"] == 4  # 32 chunks of 128 columns
+    assert forward_small_config(2, 520) is None and forward_small_config(1, 8) is None  # 12 and 2 chunks
+    assert small_tokens_limit(8, 132) == 2112 and small_tokens_limit(4, 132) == 4224
+
+
+@pytest.mark.compile
+def test_small_token_kernel_dispatch():
+    """Without a config the op builds the small-token mix kernel (split) beside its own and picks it by the call's
+    token count; a config of the caller's pins the one kernel."""
+    op = MHCForwardPreTileLang(1, 8, 4, 1024)
+    kernel, config = op._small
+    assert config == forward_small_config(4, 1024) and "mhc_last_split(" in kernel.get_kernel_source()
+    limit = small_tokens_limit(config["splits"], _runtime.sm_count())
+    assert op._mix_for(1, None)[0] is kernel and op._mix_for(limit, None)[0] is kernel
+    assert op._mix_for(limit + 1, None) == (op._mix, op.config)
+    assert MHCForwardPreTileLang(1, 8, 4, 1024, config={"splits": 1})._small is None
 
 
 @pytest.mark.compile
@@ -507,6 +529,19 @@ def test_split_mix_matches_golden(n, D, splits, lead, poisoned):
     for iters in (0, 20):
         op = MHCForwardPreTileLang(1, 1, n, D, sinkhorn_iters=iters, config={"splits": splits})
         check_against_golden(op, x.view(*lead, n, D), phi, alpha, bias, iters, poisoned)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("iters", [0, 20])
+def test_small_token_kernel_at_its_limit(iters, poisoned):
+    """The bench shape at the small-token kernel's last token count and one past it (the default kernel), against
+    the golden and bitwise reproducible."""
+    op = MHCForwardPreTileLang(1, 1, 4, 4096, sinkhorn_iters=iters)
+    limit = small_tokens_limit(op._small[1]["splits"], _runtime.sm_count())
+    for tokens in (limit, limit + 1):
+        x, phi, alpha, bias = random_inputs(1, tokens, 4, 4096, device="cuda")
+        assert (op._mix_for(tokens, x.device)[0] is op._small[0]) == (tokens == limit)
+        check_against_golden(op, x, phi, alpha, bias, iters, poisoned)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ import torch
 
 from ..common.hw import SMEM_BUDGET
 from ..common.protocol import Op
-from ..common.runtime import compile_kernel, resolve_config
+from ..common.runtime import compile_kernel, compile_kernels, resolve_config, sm_count
 from ..common.validate import check_choice, check_float, check_int, check_tensor
 from .kernels.fwd_mix import mhc_pre_apply_kernel
 from .kernels.phi_split import mhc_phi_split_kernel
@@ -21,7 +21,7 @@ from .kernels.post import mhc_post_bwd_kernel, mhc_post_kernel
 from .kernels.post_pre import mhc_post_mix_kernel
 from .kernels.sinkhorn import mhc_pre_sinkhorn_kernel
 from .pre import check_sinkhorn_iters, split_workspace
-from .tiling import _D_PAD, _round_up, check_splits, phi_split_rows, splits_fit
+from .tiling import _D_PAD, _round_up, check_splits, phi_split_rows, small_splits, small_tokens_limit, splits_fit
 
 MAX_N, MAX_D = 8, 16384  # the pre's range: the post feeds the next pre
 _THREADS = (128, 256)
@@ -230,6 +230,14 @@ def post_mix_default_config(n: int, D: int) -> dict:
     raise ValueError(f"n: expected a stream count whose tiles fit in shared memory, got {n}")
 
 
+def post_mix_small_config(n: int, D: int) -> dict | None:
+    """The post -> pre mix kernel for small token counts (tiling.SMALL_SPLITS): the default's 64-token tiles with
+    their column chunks split as `tiling.small_splits` says (None where there are too few columns to split)."""
+    config = post_mix_default_config(n, D)
+    splits = small_splits(-(-D // config["block_k"]), config["num_stages"])
+    return splits and dict(config, splits=splits)
+
+
 class MHCPostPreTileLang(Op):
     """One sublayer's mHC post and the next sublayer's pre, for inference:
     ``op(residual, layer_out, post, comb, phi, alpha, bias) -> (new_residual, h_in, h_post, h_res)``, the same as
@@ -242,7 +250,9 @@ class MHCPostPreTileLang(Op):
     logits, or with ``sinkhorn_iters`` >= 1 their Sinkhorn projection). Two kernels: `mhc_post_mix` (reads the
     residual once, writes the new one once, and computes the pre's mixing weights on the way) and the pre's
     `mhc_pre_apply` (h_in, from the new residual), then with ``sinkhorn_iters`` the pre's Sinkhorn kernel.
-    No gradients: training runs ``mhc_post`` and ``mhc_pre``.
+    Without a ``config``, small token counts (up to `tiling.small_tokens_limit`) run a second mix kernel whose tiles
+    split their column chunks over up to 8 CTAs (`post_mix_small_config`). No gradients: training runs
+    ``mhc_post`` and ``mhc_pre``.
     """
 
     op_name = "mhc_post_pre"
@@ -276,7 +286,7 @@ class MHCPostPreTileLang(Op):
             raise ValueError(f"config: expected a warpgroup (128 threads) per 64 tokens of block_t, got {self.config}")
         check_choice("config['block_k']", self.config["block_k"], (16, 32, 64, 128))
         check_int("config['num_stages']", self.config["num_stages"], lo=1, hi=4)
-        check_choice("config['splits']", self.config["splits"], (1, 2, 4))
+        check_choice("config['splits']", self.config["splits"], (1, 2, 4, 8))
         check_splits(self.config["splits"], -(-D // self.config["block_k"]), self.config["num_stages"],
                      f"D={D} (block_k={self.config['block_k']})")
         smem = post_mix_smem_bytes(n, **self.config)
@@ -284,8 +294,12 @@ class MHCPostPreTileLang(Op):
             raise ValueError(f"config: expected a config within {SMEM_BUDGET} bytes of shared memory, "
                              f"got {self.config} needing {smem}")
         self._split = compile_kernel(mhc_phi_split_kernel(n, D))
-        self._mix = compile_kernel(mhc_post_mix_kernel(**self.spec, **self.config))
-        self._apply = compile_kernel(mhc_pre_apply_kernel(n, D))
+        # Without a config of the caller's, small token counts get their own split mix kernel (as the pre's).
+        small = post_mix_small_config(n, D) if config is None else None
+        mixes = [dict(self.config)] + ([small] if small and small != self.config else [])
+        self._apply, *kernels = compile_kernels(mhc_pre_apply_kernel(n, D),
+                                                *(mhc_post_mix_kernel(**self.spec, **c) for c in mixes))
+        self._mix, self._small = kernels[0], ((kernels[1], mixes[1]) if len(kernels) > 1 else None)
         self._sinkhorn = compile_kernel(mhc_pre_sinkhorn_kernel(n, sinkhorn_iters, hc_eps)) if sinkhorn_iters else None
 
     def check_inputs(self, residual, layer_out, post, comb, phi, alpha, bias) -> tuple[int, ...]:
@@ -295,6 +309,12 @@ class MHCPostPreTileLang(Op):
         check_tensor("alpha", alpha, torch.float32, (3,), device=dev)
         check_tensor("bias", bias, torch.float32, (N,), device=dev)
         return lead
+
+    def _mix_for(self, tokens: int, device) -> tuple:
+        """(mix kernel, its config) for `tokens`: the small-token kernel up to its limit, else the op's."""
+        if self._small is not None and tokens <= small_tokens_limit(self._small[1]["splits"], sm_count(device)):
+            return self._small
+        return self._mix, self.config
 
     def _args(self, residual, layer_out, post, comb, phi, alpha, bias, configs=None):
         """The mix kernel's arguments (phi split into a fresh [hi; lo] buffer): inputs, the outputs new residual,
@@ -320,11 +340,12 @@ class MHCPostPreTileLang(Op):
     def __call__(self, residual, layer_out, post, comb, phi, alpha, bias):
         lead = self.check_inputs(residual, layer_out, post, comb, phi, alpha, bias)
         n, D = self.n, self.D
-        args = self._args(residual, layer_out, post, comb, phi, alpha, bias)
+        mix, config = self._mix_for(residual.numel() // (n * D), residual.device)
+        args = self._args(residual, layer_out, post, comb, phi, alpha, bias, [config])
         new_residual, h_post, h_res, h_pre = args[-6:-2]
         h_in = torch.empty(h_pre.shape[0], D, device=residual.device, dtype=torch.bfloat16)
         if h_in.shape[0]:
-            self._mix(*args)
+            mix(*args)
             if self._sinkhorn is not None:  # the logits become comb, in place
                 self._sinkhorn(h_res)
             self._apply(new_residual, h_pre, h_in)

@@ -29,15 +29,16 @@ import torch
 
 from ..common.hw import SMEM_BUDGET
 from ..common.protocol import Op
-from ..common.runtime import compile_kernel, max_active_clusters, resolve_config, sm_count
+from ..common.runtime import compile_kernel, compile_kernels, max_active_clusters, resolve_config, sm_count
 from ..common.validate import check_bool, check_choice, check_float, check_int, check_tensor
 from .kernels.fwd_fused import mhc_pre_fused_kernel
 from .kernels.fwd_mix import mhc_pre_apply_kernel, mhc_pre_mix_kernel
 from .kernels.phi_split import mhc_phi_split_kernel
 from .kernels.sinkhorn import mhc_pre_sinkhorn_kernel
 from .tiling import (_CLUSTER, _D_PAD, _SIDE_CONFIG, SINKHORN_MAX_ITERS, _round_up, _thread_choices, check_num_sms,
-                     check_splits, forward_config_space, forward_default_config, fused_chunks, fused_fits,
-                     fused_smem_bytes, mix_chunks, mix_smem_bytes, phi_split_rows, side_tokens)
+                     check_splits, forward_config_space, forward_default_config, forward_small_config, fused_chunks,
+                     fused_fits, fused_smem_bytes, mix_chunks, mix_smem_bytes, phi_split_rows, side_tokens,
+                     small_tokens_limit)
 
 
 def check_x(x, n: int | None = None, D: int | None = None) -> None:
@@ -90,7 +91,9 @@ class MHCForwardPreTileLang(Op):
     tokens; 8% at 16384), but it waits for any kernel that holds SMs in every GPC (module docstring); its
     config keys are ``x_slots`` and ``phi_stages``. ``num_sms`` (default None: the whole GPU) bounds its
     persistent clusters and side kernel, for callers that keep SMs for communication; the two kernels have no
-    persistent grid and need no budget.
+    persistent grid and need no budget. Without a ``config``, small token counts (up to `small_tokens_limit`:
+    ~2000 on 132 SMs, e.g. a decode step's batch) run a second mix kernel whose 64-token tiles split their columns
+    over up to 8 CTAs (`forward_small_config`), as the default's tiles would leave most SMs idle.
     """
 
     op_name = "mhc_pre"
@@ -150,13 +153,19 @@ class MHCForwardPreTileLang(Op):
                              f"got {self.config} needing {smem}")
         self._split = compile_kernel(mhc_phi_split_kernel(n, D))
         self._phi_parts = {}
-        self._fused = self._mix = self._apply = self._side = None
+        self._fused = self._mix = self._apply = self._side = self._small = None
         if single_pass:
             self._fused = compile_kernel(mhc_pre_fused_kernel(**self.spec, **self.config))
             self._side = compile_kernel(mhc_pre_mix_kernel(**self.spec, **_SIDE_CONFIG, apply=True))
         else:
-            self._mix = compile_kernel(mhc_pre_mix_kernel(**self.spec, **self.config, sinkhorn_iters=sinkhorn_iters))
-            self._apply = compile_kernel(mhc_pre_apply_kernel(n, D))
+            # Without a config of the caller's, small token counts get their own split mix kernel (`_mix_for`).
+            small = forward_small_config(n, D) if config is None else None
+            mixes = [dict(self.config)] + ([small] if small and small != self.config else [])
+            self._apply, *kernels = compile_kernels(mhc_pre_apply_kernel(n, D), *(
+                mhc_pre_mix_kernel(**self.spec, **c, sinkhorn_iters=sinkhorn_iters) for c in mixes))
+            self._mix = kernels[0]
+            if len(kernels) > 1:
+                self._small = (kernels[1], mixes[1])
         # the mix kernel projects h_res itself; the single pass leaves it to the Sinkhorn kernel
         self._sinkhorn = (compile_kernel(mhc_pre_sinkhorn_kernel(n, sinkhorn_iters, hc_eps))
                           if sinkhorn_iters and single_pass else None)
@@ -188,6 +197,13 @@ class MHCForwardPreTileLang(Op):
         return (torch.empty(tokens, D, device=x.device, dtype=torch.bfloat16), torch.empty(tokens, n, **f32),
                 torch.empty(tokens, n * n, **f32), torch.empty(tokens, **f32), torch.empty(tokens, n, **f32),
                 torch.empty(tokens, n * n + 2 * n, **f32))
+
+    def _mix_for(self, tokens: int, device) -> tuple:
+        """(mix kernel, its config) for `tokens`: the small-token kernel up to its limit (its grid fills the GPU
+        where the default's would leave most SMs idle), else the op's."""
+        if self._small is not None and tokens <= small_tokens_limit(self._small[1]["splits"], sm_count(device)):
+            return self._small
+        return self._mix, self.config
 
     def _kernel_args(self, x, phi, alpha, bias, outs, configs=None):
         """Arguments of the tunable kernel: the fused kernel takes all outputs and the cluster count, the mix
@@ -224,12 +240,13 @@ class MHCForwardPreTileLang(Op):
         self.check_inputs(x, phi, alpha, bias)
         *lead, n, D = x.shape
         h_in, h_post, h_res, inv_rms, h_pre, h_mix = outs = self._outputs(x)
-        args = self._kernel_args(x, phi, alpha, bias, outs)
+        mix, config = (None, None) if self._fused is not None else self._mix_for(h_in.shape[0], x.device)
+        args = self._kernel_args(x, phi, alpha, bias, outs, [config] if config else None)
         if h_in.shape[0]:
             if self._fused is not None:
                 self._launch_fused(*args)
             else:
-                self._mix(*args)
+                mix(*args)
                 self._apply(args[0], h_pre, h_in)
             if self._sinkhorn is not None:  # the logits the kernels wrote become comb, in place
                 self._sinkhorn(h_res)

@@ -23,8 +23,7 @@ def phi_split_rows(n: int) -> int:
 
 # ----------------------------------------------------------------------------- forward, two kernels
 _SIDE_D = 64  # columns per h_in chunk of the side kernel
-# Measured best (H200) with one split; more splits (the K columns over that many CTAs per token tile) make the grid
-# several waves for a GPU shared with another stream or a small token count (not measured yet).
+# Measured best (H200) with one split at 8192 tokens and more; small token counts run `forward_small_config`.
 _MIX_CONFIG = {"block_t": 128, "block_k": 128, "num_stages": 3, "threads": 256, "splits": 1}
 # The side kernel is not the critical path: a shallower ring leaves more bandwidth to the single pass.
 _SIDE_CONFIG = dict(_MIX_CONFIG, num_stages=2)
@@ -52,6 +51,35 @@ def check_splits(splits: int, chunks: int, num_stages: int, of: str) -> None:
     if not splits_fit(chunks, num_stages, splits):
         raise ValueError(f"config['splits']: expected a divisor of the {chunks} column chunks of {of} leaving each "
                          f"split at least num_stages={num_stages} of them, got {splits}")
+
+
+# ----------------------------------------------------------------------------- small token counts
+# A decode step's batch (tens to a few thousand tokens) leaves the default tiles' grid far under a wave: one CTA per
+# 128 (pre) or 64 (post -> pre) tokens streams all n*D columns alone (H200, n = 4, D = 4096, 20 Sinkhorn iterations:
+# the pre took 118 us for 16 tokens, 132 us for 512). The mix kernels then run 64-token tiles whose columns are split
+# over SMALL_SPLITS CTAs (the tile's last adds the partials, kernels/splits.py): 39 and 51 us.
+SMALL_SPLITS = (8, 4, 2)  # the widest that divides the column chunks
+_SMALL_MIN_CHUNKS = 8  # a split's fewest column chunks: narrower rows are not worth their partials
+
+
+def small_splits(chunks: int, num_stages: int) -> int | None:
+    """The widest of SMALL_SPLITS that divides `chunks` leaving each split at least _SMALL_MIN_CHUNKS (and
+    num_stages) of them; None where none does."""
+    return next((s for s in SMALL_SPLITS if splits_fit(chunks, num_stages, s) and chunks // s >= _SMALL_MIN_CHUNKS),
+                None)
+
+
+def small_tokens_limit(splits: int, sms: int) -> int:
+    """The most tokens the small-token kernel takes: its grid (64-token tiles x `splits` CTAs) stays within about
+    two CTAs per SM (2112 tokens at 8 splits on 132 SMs; measured faster than the default up to 2048 tokens)."""
+    return 64 * 2 * sms // splits
+
+
+def forward_small_config(n: int, D: int) -> dict | None:
+    """The pre's mix kernel for small token counts: 64-token tiles, one warpgroup, 128-column chunks, 3 stages, the
+    splits of `small_splits` (None where there are too few columns to split)."""
+    splits = small_splits(mix_chunks(n, D, 128), 3)
+    return splits and {"block_t": 64, "block_k": 128, "num_stages": 3, "threads": 128, "splits": splits}
 
 
 def mix_smem_bytes(n: int, block_t: int, block_k: int, num_stages: int, **_) -> int:
