@@ -179,11 +179,13 @@ class TilePlan:
         @T.macro
         def convert_kv(ring, st, dst, kt, kv_len, zero_tail):
             # Stage st of an 8-bit K / V ring into the 16-bit tile `dst` for the 16-bit products (exact: e4m3
-            # values fit fp16 / bf16); with `zero_tail`, rows past the sequence end as 0 (they may hold NaN).
+            # values fit fp16 / bf16): to fp16 one cvt per pair of elements, to bf16 through fp32; with
+            # `zero_tail`, rows past the sequence end as 0 (they may hold NaN).
+            to = str(dst.dtype)
             for j, d in T.Parallel(block_N, head_dim):
-                x = T.cast(T.cast(ring[st, j, d], accum), dtype)
+                x = T.cast(ring[st, j, d], to) if to == "float16" else T.cast(T.cast(ring[st, j, d], accum), to)
                 if zero_tail:
-                    dst[j, d] = T.if_then_else(kt * block_N + j < kv_len, x, T.cast(0, dtype))
+                    dst[j, d] = T.if_then_else(kt * block_N + j < kv_len, x, T.cast(0, to))
                 else:
                     dst[j, d] = x
         self.convert_kv = convert_kv

@@ -389,9 +389,12 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             k_ring = T.alloc_shared((num_stages, block_N, head_dim), kv_dtype)
             v_ring = T.alloc_shared((num_stages, block_N, head_dim), kv_dtype)
             k_conv = v_conv = None
+            # An 8-bit cache's P @ V runs on fp16 whatever q's dtype (V's cvt is one per pair of elements, P in
+            # [0, 1] keeps more bits); K takes q's dtype for the scores.
+            pv_dtype = "float16" if kv_bits == 8 else dtype
             if kv_bits == 8:
                 k_conv = T.alloc_shared((block_N, head_dim), dtype)
-                v_conv = T.alloc_shared((block_N, head_dim), dtype)
+                v_conv = T.alloc_shared((block_N, head_dim), pv_dtype)
             k_full = T.alloc_barrier([32] * num_stages)  # the K/V warp arrives, TMA bytes complete it
             v_full = T.alloc_barrier([32] * num_stages)
             if cluster == 1:  # consumer threads arrive when done reading
@@ -415,7 +418,7 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             head0 = T.alloc_var("int32")
             rows = T.alloc_var("int32")
             acc_s = T.alloc_fragment((block_M, block_N), accum)
-            acc_p = T.alloc_fragment((block_M, block_N), dtype)
+            acc_p = T.alloc_fragment((block_M, block_N), pv_dtype)
             acc_o = T.alloc_fragment((block_M, head_dim), accum)
             m_prev = T.alloc_fragment((block_M,), accum)
             m_cur = T.alloc_fragment((block_M,), accum)
