@@ -166,8 +166,8 @@ class PagedAttentionDecodeTileLang(Op):
         check_int("config['ctas_per_sm']", cfg["ctas_per_sm"], lo=1)
         check_int("config['min_split_tiles']", cfg["min_split_tiles"], lo=1)
         split = (self.tunable_kernel(self.spec)(**self.spec, **cfg), self.tunable_pass_configs(self.spec))
-        self.split_kernel, self.combine_kernel = compile_kernels(
-            split, paged_decode_combine_kernel(num_heads, head_dim, tl_dtype, num_q_tokens, cfg["block_N"], window_left))
+        combine = paged_decode_combine_kernel(num_heads, head_dim, tl_dtype, num_q_tokens, cfg["block_N"], window_left)
+        self.split_kernel, self.combine_kernel = compile_kernels(split, combine)
         self._plan_key = (tuple(sorted(self.spec.items())), cfg["block_N"])
 
     def _kv_shape(self, num_pages: int | None) -> list:

@@ -79,11 +79,11 @@ def pipeline_stages(page_size: int) -> tuple[int, ...]:
 def default_config(head_dim: int, page_size: int, rows: int = ROWS_MAX, fp8: bool = True) -> dict:
     """For the register-widening FP8 kernel (``widens_in_registers``): 128-token tiles (32 keys a warp) in a ring
     of 2 (64 KiB at head_dim 128: three CTAs per SM, each with a tile in flight while it computes one; measured
-    2-7% faster than 64-token tiles in rings of 2-4). Otherwise: block_N: KV tokens per pipeline stage (16 KiB of K per stage at 16-bit, head_dim 128; FP8 keeps the
-    rows and halves the bytes); num_stages: K/V tiles in flight; min_blocks: CTAs per SM the registers are
-    budgeted for (``min_blocks``; rows and fp8 size its shared memory); ctas_per_sm: the split rule's target
-    of CTAs per SM over the whole grid (several waves, so a GPU shared with another stream only adds
-    waves); min_split_tiles: the shortest split worth its partial write and combine."""
+    2-7% faster than 64-token tiles in rings of 2-4). Otherwise: block_N: KV tokens per pipeline stage (16 KiB of
+    K per stage at 16-bit, head_dim 128; FP8 keeps the rows and halves the bytes); num_stages: K/V tiles in
+    flight. Both: min_blocks: CTAs per SM the registers are budgeted for (rows and fp8 size the shared memory);
+    ctas_per_sm: the split rule's target of CTAs per SM over the whole grid (several waves, so a GPU shared with
+    another stream only adds waves); min_split_tiles: the shortest split worth its partial write and combine."""
     if widens_in_registers(rows, head_dim, fp8):
         per_cta = fragment_smem_bytes(128, 2, head_dim) + 1024
         return {"block_N": 128, "num_stages": 2, "min_blocks": max(1, min(MAX_CTAS_PER_SM, SMEM_PER_SM // per_cta)),
