@@ -13,15 +13,15 @@ import torch
 
 from ..common.hw import SMEM_BUDGET
 from ..common.protocol import Op
-from ..common.runtime import compile_kernel, compile_kernels, resolve_config, sm_count
+from ..common.runtime import compile_kernel, compile_kernels, resolve_config
 from ..common.validate import check_choice, check_float, check_int, check_tensor
 from .kernels.fwd_mix import mhc_pre_apply_kernel
 from .kernels.phi_split import mhc_phi_split_kernel
 from .kernels.post import mhc_post_bwd_kernel, mhc_post_kernel
 from .kernels.post_pre import mhc_post_mix_kernel
 from .kernels.sinkhorn import mhc_pre_sinkhorn_kernel
-from .pre import check_sinkhorn_iters, split_workspace
-from .tiling import _D_PAD, _round_up, check_splits, phi_split_rows, small_splits, small_tokens_limit, splits_fit
+from .pre import check_sinkhorn_iters, mix_for_tokens, split_workspace
+from .tiling import _D_PAD, _round_up, check_splits, phi_split_rows, small_splits, splits_fit
 
 MAX_N, MAX_D = 8, 16384  # the pre's range: the post feeds the next pre
 _THREADS = (128, 256)
@@ -311,10 +311,7 @@ class MHCPostPreTileLang(Op):
         return lead
 
     def _mix_for(self, tokens: int, device) -> tuple:
-        """(mix kernel, its config) for `tokens`: the small-token kernel up to its limit, else the op's."""
-        if self._small is not None and tokens <= small_tokens_limit(self._small[1]["splits"], sm_count(device)):
-            return self._small
-        return self._mix, self.config
+        return mix_for_tokens(self._small, (self._mix, self.config), tokens, device)
 
     def _args(self, residual, layer_out, post, comb, phi, alpha, bias, configs=None):
         """The mix kernel's arguments (phi split into a fresh [hi; lo] buffer): inputs, the outputs new residual,

@@ -75,6 +75,14 @@ def split_workspace(tokens: int, width: int, device, configs: list[dict]) -> tup
     return (torch.empty(part * (width + 1), device=device), torch.zeros(max(tiles), device=device, dtype=torch.int32))
 
 
+def mix_for_tokens(small, default, tokens: int, device) -> tuple:
+    """(mix kernel, its config) for a call of `tokens`: `small` (the op's small-token kernel and config, or None) up
+    to its token limit (its grid fills the GPU where the default's would leave most SMs idle), else `default`."""
+    if small is not None and tokens <= small_tokens_limit(small[1]["splits"], sm_count(device)):
+        return small
+    return default
+
+
 class MHCForwardPreTileLang(Op):
     """mHC pre forward: ``op(x, phi, alpha, bias) -> (h_in, h_post, h_res)``; see golden/mhc_pre.py.
 
@@ -199,11 +207,7 @@ class MHCForwardPreTileLang(Op):
                 torch.empty(tokens, n * n + 2 * n, **f32))
 
     def _mix_for(self, tokens: int, device) -> tuple:
-        """(mix kernel, its config) for `tokens`: the small-token kernel up to its limit (its grid fills the GPU
-        where the default's would leave most SMs idle), else the op's."""
-        if self._small is not None and tokens <= small_tokens_limit(self._small[1]["splits"], sm_count(device)):
-            return self._small
-        return self._mix, self.config
+        return mix_for_tokens(self._small, (self._mix, self.config), tokens, device)
 
     def _kernel_args(self, x, phi, alpha, bias, outs, configs=None):
         """Arguments of the tunable kernel: the fused kernel takes all outputs and the cluster count, the mix
