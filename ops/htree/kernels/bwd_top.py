@@ -49,31 +49,21 @@ def _store(dtype: str, fp32_precision: str):
     return store
 
 
-def _load(dtype: str, fp32_precision: str):
-    """The macro copying rows [r0, r0 + n) of an operand tensor's planes into a tile and its low halves."""
+def _load(dtype: str, fp32_precision: str, transposed: bool = False):
+    """The macro copying rows [r0, r0 + n) of an operand tensor's planes ([P, B, Hkv, rows, dims]) into a tile and its
+    low halves; `transposed`: columns [r0, r0 + n) of a transposed one ([P, B, Hkv, dims, rows]) into a tile [dims, n]."""
     split = split_operands(dtype, fp32_precision)
+
+    def plane(src, p, b, h, r0, n):
+        return src[p, b, h, :, r0:r0 + n] if transposed else src[p, b, h, r0:r0 + n, :]
 
     @T.macro
     def load(src, b, h, r0, n, dst, dst_lo):
-        T.copy(src[0, b, h, r0:r0 + n, :], dst)
+        T.copy(plane(src, 0, b, h, r0, n), dst)
         if split:
-            T.copy(src[1, b, h, r0:r0 + n, :], dst_lo)
+            T.copy(plane(src, 1, b, h, r0, n), dst_lo)
 
     return load
-
-
-def _load_t(dtype: str, fp32_precision: str):
-    """The macro copying columns [c0, c0 + n) of a transposed operand tensor's planes ([P, B, Hkv, dims, rows])
-    into a tile [dims, n] and its low halves."""
-    split = split_operands(dtype, fp32_precision)
-
-    @T.macro
-    def load_t(src, b, h, c0, n, dst, dst_lo):
-        T.copy(src[0, b, h, :, c0:c0 + n], dst)
-        if split:
-            T.copy(src[1, b, h, :, c0:c0 + n], dst_lo)
-
-    return load_t
 
 
 def htree_bwd_top_rows_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int, scale: float,
@@ -151,7 +141,7 @@ def htree_bwd_top_dq_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v_
     odt = T.tfloat32 if wg else dtype  # operands typed TF32: TileLang multiplies them with wgmma
     alloc, put, product, product_nn = tiles(dtype, T.GemmWarpPolicy.FullRow, fp32_precision, tf32_typed=wg)
     load, load_flags, FQ = _load(dtype, fp32_precision), _flags(G, block_m, block_n), _flag_rows(G, block_m)
-    load_t = _load_t(dtype, fp32_precision)
+    load_t = _load(dtype, fp32_precision, transposed=True)
     B, NT, NC, R, RP, TS = (T.dynamic("B"), T.dynamic("NT"), T.dynamic("NC"), T.dynamic("R"), T.dynamic("RP"),
                             T.dynamic("TS"))
     FB, FT, FN = T.dynamic("FB"), T.dynamic("FT"), T.dynamic("FN")
