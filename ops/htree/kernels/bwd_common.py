@@ -91,23 +91,25 @@ def lower_layer_tiles(tile, prefetch=None):
     With ``prefetch`` (a macro issuing a tile's loads by cp.async into stage st of the warp's buffers, one commit),
     each warp copies its next tile while it computes the current one, which ``tile`` then reads from stage st."""
     @T.macro
+    def on_source(K, Vs, row_off, nk, nv, flagged, tables, smem, regs, b, ts, h, l, n, p0, w, gr, tg, st, issue):
+        """Tile p0 of a layer whose K / V rows are those of K and Vs from row_off (nk / nv of them): its loads
+        issued into stage st (``issue``), else computed."""
+        if issue:
+            prefetch(K, Vs, row_off, nk, nv, tables, smem, b, h, n, p0, w, gr, tg, st)
+        elif prefetch is None:
+            tile(K, Vs, row_off, nk, nv, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, flagged)
+        else:
+            tile(K, Vs, row_off, nk, nv, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, flagged, w, st)
+
+    @T.macro
     def on_layer(KRot0, Vt, KRotN, NodesV, Tn, NR, NN, LayerOff, tables, smem, regs, b, ts, h, l, n, p0, w, gr, tg,
                  st, issue):
-        """Layer l's tile p0: its loads issued into stage st (``issue``), else computed."""
+        """Layer l's tile p0: the tokens (layer 0) or the nodes from LayerOff[l], their winners flagged."""
         if l == 0:
-            if issue:
-                prefetch(KRot0, Vt, 0, Tn, Tn, tables, smem, b, h, n, p0, w, gr, tg, st)
-            elif prefetch is None:
-                tile(KRot0, Vt, 0, Tn, Tn, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, False)
-            else:
-                tile(KRot0, Vt, 0, Tn, Tn, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, False, w, st)
+            on_source(KRot0, Vt, 0, Tn, Tn, False, tables, smem, regs, b, ts, h, l, n, p0, w, gr, tg, st, issue)
         else:
-            if issue:
-                prefetch(KRotN, NodesV, LayerOff[l], NR, NN, tables, smem, b, h, n, p0, w, gr, tg, st)
-            elif prefetch is None:
-                tile(KRotN, NodesV, LayerOff[l], NR, NN, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, True)
-            else:
-                tile(KRotN, NodesV, LayerOff[l], NR, NN, tables, smem, regs, b, ts, h, l, n, p0, gr, tg, True, w, st)
+            on_source(KRotN, NodesV, LayerOff[l], NR, NN, True, tables, smem, regs, b, ts, h, l, n, p0, w, gr, tg, st,
+                      issue)
 
     @T.macro
     def walk(KRot0, Vt, KRotN, NodesV, Tn, NR, NN, Par, NCand, LayerOff, tables, smem, regs, b, ts, h, w, gr, tg,
