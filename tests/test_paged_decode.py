@@ -426,3 +426,34 @@ def test_fp8_shared_memory_model():
     assert not schedule.widens_in_registers(17, 128, True) and not schedule.widens_in_registers(4, 256, True)
     assert schedule.fragment_smem_bytes(64, 4, 128) == 4 * 2 * 64 * 128
     assert schedule.fragment_smem_bytes(64, 2, 64) == 4 * 32 * 36 * 4 + 4 * 16 * 2 * 4  # the merge is larger
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_register_kernel_swizzle(head_dim):
+    """The register-widening FP8 kernel's shared rows (kernels/split_kv_fp8.py `swizzled`): every 16-byte unit of a
+    128-key tile has its own slot, and at head_dim 128 a warp's fragment loads are free of bank conflicts: each
+    quarter warp's 16-byte K loads (lane (g, t): row 8 j + g, bytes 32 t + 16 c) and V loads (rows 2 t + e + 8 h,
+    bytes 16 g) cover the 8 distinct 16-byte bank groups."""
+    from ops.paged_decode.kernels.split_kv_fp8 import swizzled
+
+    def slot(row, byte):
+        return int(swizzled(row, byte, head_dim))
+
+    units = [slot(r, 16 * u) for r in range(128) for u in range(head_dim // 16)]
+    assert sorted(units) == list(range(0, 128 * head_dim, 16))
+    if head_dim != 128:
+        return
+
+    def conflict_free(addrs):  # 8 lanes' 16-byte loads: one 128-byte wavefront
+        return len({a % 128 // 16 for a in addrs}) == 8
+
+    for j in range(2):  # K: lanes 8q .. 8q + 7 of a quarter warp q
+        for c in range(2):
+            for q in range(4):
+                assert conflict_free([slot(16 + 8 * j + lane // 4, 32 * (lane % 4) + 16 * c)
+                                      for lane in range(8 * q, 8 * q + 8)])
+    for h in range(2):  # V
+        for e in range(2):
+            for q in range(4):
+                assert conflict_free([slot(16 + 8 * h + 2 * (lane % 4) + e, 16 * (lane // 4))
+                                      for lane in range(8 * q, 8 * q + 8)])
