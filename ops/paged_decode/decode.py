@@ -104,8 +104,9 @@ class PagedAttentionDecodeTileLang(Op):
 
     @classmethod
     def config_space(cls, spec: dict) -> list[dict]:
-        rows = schedule.FRAGMENT_ROWS if cls._widens_in_registers(spec) else schedule.ROWS_MAX
-        return schedule.config_space(spec.get("head_dim", 128), spec.get("page_size", 16), rows)
+        if cls._widens_in_registers(spec):
+            return schedule.fragment_config_space(spec["head_dim"])
+        return schedule.config_space(spec.get("head_dim", 128), spec.get("page_size", 16))
 
     @classmethod
     def tunable_kernel(cls, spec: dict):

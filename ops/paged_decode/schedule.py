@@ -43,11 +43,15 @@ def smem_fits(rows: int, block_N: int, num_stages: int, head_dim: int, fp8: bool
     return smem_bytes(rows, block_N, num_stages, head_dim, fp8) <= SMEM_LIMIT
 
 
+def ctas_for_smem(smem: int) -> int:
+    """CTAs per SM to budget registers for, for CTAs of `smem` bytes of shared memory: as many as an SM holds (plus
+    the 1 KiB it reserves per CTA), at most MAX_CTAS_PER_SM. More resident CTAs keep more K / V bytes in flight."""
+    return max(1, min(MAX_CTAS_PER_SM, SMEM_PER_SM // (smem + 1024)))
+
+
 def min_blocks(rows: int, block_N: int, num_stages: int, head_dim: int, fp8: bool) -> int:
-    """CTAs per SM to budget registers for: as many as shared memory holds (plus the 1 KiB an SM reserves
-    per CTA), at most MAX_CTAS_PER_SM. More resident CTAs keep more K / V bytes in flight."""
-    per_cta = smem_bytes(rows, block_N, num_stages, head_dim, fp8) + 1024
-    return max(1, min(MAX_CTAS_PER_SM, SMEM_PER_SM // per_cta))
+    """`ctas_for_smem` of the split kernel's shared memory."""
+    return ctas_for_smem(smem_bytes(rows, block_N, num_stages, head_dim, fp8))
 
 
 # The FP8 kernel that widens K and V in registers (kernels/split_kv_fp8.py): a 16-row query tile whose q and output
@@ -85,19 +89,21 @@ def default_config(head_dim: int, page_size: int, rows: int = ROWS_MAX, fp8: boo
     ctas_per_sm: the split rule's target of CTAs per SM over the whole grid (several waves, so a GPU shared with
     another stream only adds waves); min_split_tiles: the shortest split worth its partial write and combine."""
     if widens_in_registers(rows, head_dim, fp8):
-        per_cta = fragment_smem_bytes(128, 2, head_dim) + 1024
-        return {"block_N": 128, "num_stages": 2, "min_blocks": max(1, min(MAX_CTAS_PER_SM, SMEM_PER_SM // per_cta)),
+        return {"block_N": 128, "num_stages": 2, "min_blocks": ctas_for_smem(fragment_smem_bytes(128, 2, head_dim)),
                 "ctas_per_sm": 8, "min_split_tiles": 4}
     block_N, stages = 32 if head_dim == 256 else 64, pipeline_stages(page_size)[0]
     return {"block_N": block_N, "num_stages": stages, "min_blocks": min_blocks(rows, block_N, stages, head_dim, fp8),
             "ctas_per_sm": 8, "min_split_tiles": 4}
 
 
-def config_space(head_dim: int, page_size: int, rows: int = ROWS_MAX, fp8: bool = True) -> list[dict]:
+def fragment_config_space(head_dim: int) -> list[dict]:
+    """The register-widening kernel's tile sizes (16 or 32 keys a warp) x ring depths within shared memory."""
+    return [{"block_N": n, "num_stages": s} for n in (64, 128) for s in FRAGMENT_STAGES
+            if fragment_smem_bytes(n, s, head_dim) <= SMEM_LIMIT]
+
+
+def config_space(head_dim: int, page_size: int) -> list[dict]:
     """Tile size x stages within shared memory for the autotuner (the split rule stays at its default)."""
-    if widens_in_registers(rows, head_dim, fp8):
-        return [{"block_N": n, "num_stages": s} for n in (64, 128) for s in FRAGMENT_STAGES
-                if fragment_smem_bytes(n, s, head_dim) <= SMEM_LIMIT]
     return [{"block_N": n, "num_stages": s} for n in (32, 64, 128) for s in pipeline_stages(page_size)
             if smem_fits(ROWS_MAX, n, s, head_dim, True)]
 
