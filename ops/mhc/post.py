@@ -13,14 +13,14 @@ import torch
 
 from ..common.hw import SMEM_BUDGET
 from ..common.protocol import Op
-from ..common.runtime import compile_kernel, compile_kernels, resolve_config
+from ..common.runtime import compile_kernel, resolve_config
 from ..common.validate import check_choice, check_float, check_int, check_tensor
 from .kernels.fwd_mix import mhc_pre_apply_kernel
 from .kernels.phi_split import mhc_phi_split_kernel
 from .kernels.post import mhc_post_bwd_kernel, mhc_post_kernel
 from .kernels.post_pre import mhc_post_mix_kernel
 from .kernels.sinkhorn import mhc_pre_sinkhorn_kernel
-from .pre import check_sinkhorn_iters, mix_for_tokens, split_workspace
+from .pre import build_mix_kernels, check_sinkhorn_iters, mix_for_tokens, split_workspace
 from .tiling import _D_PAD, _round_up, check_splits, phi_split_rows, small_splits, splits_fit
 
 MAX_N, MAX_D = 8, 16384  # the pre's range: the post feeds the next pre
@@ -295,11 +295,9 @@ class MHCPostPreTileLang(Op):
                              f"got {self.config} needing {smem}")
         self._split = compile_kernel(mhc_phi_split_kernel(n, D))
         # Without a config of the caller's, small token counts get their own split mix kernel (as the pre's).
-        small = post_mix_small_config(n, D) if config is None else None
-        mixes = [dict(self.config)] + ([small] if small and small != self.config else [])
-        self._apply, *kernels = compile_kernels(mhc_pre_apply_kernel(n, D),
-                                                *(mhc_post_mix_kernel(**self.spec, **c) for c in mixes))
-        self._mix, self._small = kernels[0], ((kernels[1], mixes[1]) if len(kernels) > 1 else None)
+        self._apply, self._mix, self._small = build_mix_kernels(
+            mhc_pre_apply_kernel(n, D), lambda c: mhc_post_mix_kernel(**self.spec, **c), self.config,
+            post_mix_small_config(n, D) if config is None else None)
         self._sinkhorn = compile_kernel(mhc_pre_sinkhorn_kernel(n, sinkhorn_iters, hc_eps)) if sinkhorn_iters else None
 
     def check_inputs(self, residual, layer_out, post, comb, phi, alpha, bias) -> tuple[int, ...]:

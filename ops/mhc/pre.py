@@ -75,6 +75,14 @@ def split_workspace(tokens: int, width: int, device, configs: list[dict]) -> tup
     return (torch.empty(part * (width + 1), device=device), torch.zeros(max(tiles), device=device, dtype=torch.int32))
 
 
+def build_mix_kernels(apply, make_mix, config: dict, small: dict | None) -> tuple:
+    """(apply kernel, mix kernel, (small-token mix kernel, its config) or None), built concurrently: `apply` and
+    `make_mix(config)`, and `make_mix(small)` when `small` is a config other than `config`."""
+    mixes = [config] + ([small] if small and small != config else [])
+    apply_kernel, mix, *rest = compile_kernels(apply, *(make_mix(c) for c in mixes))
+    return apply_kernel, mix, ((rest[0], small) if rest else None)
+
+
 def mix_for_tokens(small, default, tokens: int, device) -> tuple:
     """(mix kernel, its config) for a call of `tokens`: `small` (the op's small-token kernel and config, or None) up
     to its token limit (its grid fills the GPU where the default's would leave most SMs idle), else `default`."""
@@ -167,13 +175,10 @@ class MHCForwardPreTileLang(Op):
             self._side = compile_kernel(mhc_pre_mix_kernel(**self.spec, **_SIDE_CONFIG, apply=True))
         else:
             # Without a config of the caller's, small token counts get their own split mix kernel (`_mix_for`).
-            small = forward_small_config(n, D) if config is None else None
-            mixes = [dict(self.config)] + ([small] if small and small != self.config else [])
-            self._apply, *kernels = compile_kernels(mhc_pre_apply_kernel(n, D), *(
-                mhc_pre_mix_kernel(**self.spec, **c, sinkhorn_iters=sinkhorn_iters) for c in mixes))
-            self._mix = kernels[0]
-            if len(kernels) > 1:
-                self._small = (kernels[1], mixes[1])
+            self._apply, self._mix, self._small = build_mix_kernels(
+                mhc_pre_apply_kernel(n, D),
+                lambda c: mhc_pre_mix_kernel(**self.spec, **c, sinkhorn_iters=sinkhorn_iters),
+                self.config, forward_small_config(n, D) if config is None else None)
         # the mix kernel projects h_res itself; the single pass leaves it to the Sinkhorn kernel
         self._sinkhorn = (compile_kernel(mhc_pre_sinkhorn_kernel(n, sinkhorn_iters, hc_eps))
                           if sinkhorn_iters and single_pass else None)
