@@ -18,8 +18,7 @@ from ..common.validate import check_choice, check_float, check_int, check_tensor
 from .kernels.fwd_mix import mhc_pre_apply_kernel
 from .kernels.phi_split import mhc_phi_split_kernel
 from .kernels.post import mhc_post_bwd_kernel, mhc_post_kernel
-from .kernels.post_pre import mhc_post_mix_kernel
-from .kernels.sinkhorn import mhc_pre_sinkhorn_kernel
+from .kernels.post_pre import VEC, mhc_post_mix_kernel
 from .pre import build_mix_kernels, check_sinkhorn_iters, mix_for_tokens, split_workspace
 from .tiling import _D_PAD, _round_up, check_splits, phi_split_rows, small_splits, splits_fit
 
@@ -196,11 +195,11 @@ class MHCPostBackwardTileLang(Op):
 # ----------------------------------------------------------------------------- post -> pre (inference)
 def post_mix_smem_bytes(n: int, block_k: int, num_stages: int, block_t: int, **_) -> int:
     """Shared memory of `mhc_post_mix`: per stage the residual's n tiles, the layer output's and phi's [hi; lo]
-    tile of every stream; once the new residual's n tiles and the post weights, whose space the epilogue's
-    h_mix reuses (checked against TileLang's allocation)."""
+    tile of every stream; once the new residual's n tiles, and the epilogue's h_mix, sums of squares and the
+    threads' partial sums (counted apart, though TileLang may place them over the dead stages)."""
     NG = phi_split_rows(n)
     stage = (n + 1) * block_t * block_k * 2 + n * 2 * NG * block_k * 2
-    return num_stages * stage + n * block_t * block_k * 2 + max(block_t * (n + n * n) * 4, block_t * (2 * NG + 1) * 4)
+    return num_stages * stage + n * block_t * block_k * 2 + block_t * (2 * NG + 1 + block_k // VEC) * 4
 
 
 def post_mix_config_space(n: int, D: int) -> list[dict]:
@@ -248,8 +247,9 @@ class MHCPostPreTileLang(Op):
     leading dimensions), and the next pre's phi [n*n+2n, n*D], alpha [3], bias [n*n+2n] fp32 (CUDA, contiguous)
     -> new_residual [..., n, D] bf16, h_in [..., D] bf16, h_post [..., n] fp32, h_res [..., n, n] fp32 (the comb
     logits, or with ``sinkhorn_iters`` >= 1 their Sinkhorn projection). Two kernels: `mhc_post_mix` (reads the
-    residual once, writes the new one once, and computes the pre's mixing weights on the way) and the pre's
-    `mhc_pre_apply` (h_in, from the new residual), then with ``sinkhorn_iters`` the pre's Sinkhorn kernel.
+    residual once, writes the new one once, and computes the pre's mixing weights on the way, with
+    ``sinkhorn_iters`` their Sinkhorn projection in its epilogue) and the pre's `mhc_pre_apply` (h_in, from the
+    new residual).
     Without a ``config``, small token counts (up to `tiling.small_tokens_limit`) run a second mix kernel whose tiles
     split their column chunks over up to 8 CTAs (`post_mix_small_config`). No gradients: training runs
     ``mhc_post`` and ``mhc_pre``.
@@ -277,7 +277,8 @@ class MHCPostPreTileLang(Op):
         hc_eps = check_float("hc_eps", hc_eps, lo=0)
         check_sinkhorn_iters(sinkhorn_iters)
         self.n, self.D, self.sinkhorn_iters = n, D, sinkhorn_iters
-        # As for the pre, sinkhorn_iters is not part of the spec: it changes neither the tunable kernel nor its config.
+        # As for the pre, sinkhorn_iters is not part of the spec: it only adds the projection to the mix kernel's
+        # epilogue and changes neither its config nor what the tuner times.
         self.spec = {"n": n, "D": D, "rms_eps": rms_eps, "hc_eps": hc_eps}
         self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
         check_choice("config['block_t']", self.config["block_t"], (64, 128))
@@ -296,9 +297,9 @@ class MHCPostPreTileLang(Op):
         self._split = compile_kernel(mhc_phi_split_kernel(n, D))
         # Without a config of the caller's, small token counts get their own split mix kernel (as the pre's).
         self._apply, self._mix, self._small = build_mix_kernels(
-            mhc_pre_apply_kernel(n, D), lambda c: mhc_post_mix_kernel(**self.spec, **c), self.config,
+            mhc_pre_apply_kernel(n, D), lambda c: mhc_post_mix_kernel(**self.spec, **c, sinkhorn_iters=sinkhorn_iters),
+            self.config,
             post_mix_small_config(n, D) if config is None else None)
-        self._sinkhorn = compile_kernel(mhc_pre_sinkhorn_kernel(n, sinkhorn_iters, hc_eps)) if sinkhorn_iters else None
 
     def check_inputs(self, residual, layer_out, post, comb, phi, alpha, bias) -> tuple[int, ...]:
         lead = check_post_inputs(self.n, self.D, residual, layer_out, post, comb)
@@ -341,8 +342,6 @@ class MHCPostPreTileLang(Op):
         h_in = torch.empty(h_pre.shape[0], D, device=residual.device, dtype=torch.bfloat16)
         if h_in.shape[0]:
             mix(*args)
-            if self._sinkhorn is not None:  # the logits become comb, in place
-                self._sinkhorn(h_res)
             self._apply(new_residual, h_pre, h_in)
         return (new_residual.view(*lead, n, D), h_in.view(*lead, D), h_post.view(*lead, n),
                 h_res.view(*lead, n, n))

@@ -2,10 +2,13 @@
 
 Per tile of `block_t` tokens, streaming over D in chunks of `block_k` columns (TileLang's TMA pipeline): the n
 residual streams' and the layer output's chunks land in shared memory with phi's [hi; lo] chunk of every stream;
-the consumer warpgroups form the new residual x'[k] = post[k] * layer_out + sum_j comb[j, k] * residual[j] (fp32,
+the consumer threads form the new residual x'[k] = post[k] * layer_out + sum_j comb[j, k] * residual[j] (fp32,
 rounded once to bf16, as `mhc_post`), write it to memory, accumulate its squares and feed it to the tensor
-cores: h_mix = x' @ phi^T (phi as bf16 hi + lo parts, as the pre). The epilogue writes h_pre, h_post and the comb
-logits h_res as the pre's mix kernel does. So the residual is read once and the new residual written once; only
+cores: h_mix = x' @ phi^T (phi as bf16 hi + lo parts, as the pre). Each thread owns 8 columns of the same tokens in
+every chunk: it loads each input vector once (16 bytes) for all n outputs, and its tokens' post and comb weights
+stay in registers for the whole tile (that elementwise work, not the memory, bounds this kernel). The epilogue
+writes h_pre, h_post and the comb logits h_res as the pre's mix kernel does, or with `sinkhorn_iters` their
+Sinkhorn projection comb. So the residual is read once and the new residual written once; only
 h_in = sum_i h_pre[i] * x'[i] (the pre's `mhc_pre_apply`, after this kernel) reads the new residual again, since
 h_pre needs the whole token's reduction first. With `splits` > 1 a tile's D chunks are shared by that many CTAs
 (`splits.py`: the last to finish adds the partials in split order and writes the weights), so that a token count of
@@ -15,13 +18,16 @@ persistent and no CTA waits for another. The design and what was weighed against
 from ...common import runtime  # noqa: F401  (the kernel cache dir before TileLang is imported)
 from ..tiling import _D_PAD, _round_up, phi_split_rows
 from . import weights
+from .sinkhorn import sinkhorn_project
 from .splits import SPLIT_SRC, sum_splits
 
 import tilelang.language as T  # noqa: E402
 
+VEC = 8  # bf16 columns per 16-byte access
+
 
 def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: int = 64, block_k: int = 64,
-                        num_stages: int = 2, threads: int = 128, splits: int = 1):
+                        num_stages: int = 2, threads: int = 128, splits: int = 1, sinkhorn_iters: int = 0):
     """The new residual, h_pre, h_post and the comb logits of the next pre, from the post's inputs (module
     docstring). `block_k` divides _D_PAD (phi's split copy is zero past D; the TMA loads zero-fill past D).
     `threads` / 128 warpgroups share the tile's elementwise work and split the product's 64-row wgmma tiles: by
@@ -37,7 +43,11 @@ def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: 
     per_split = d_chunks // splits
     assert per_split * splits == d_chunks
     sum_split_parts = sum_splits(splits, block_t, 2 * NG)
+    project = sinkhorn_project(n, sinkhorn_iters, hc_eps) if sinkhorn_iters else None
     streams = tuple(range(n))  # Python tuples: the loops over them unroll while tracing
+    lanes = block_k // VEC  # threads per token row of a chunk
+    rows = threads // lanes  # token rows per pass of the threads over a chunk
+    passes = -(-block_t // rows)
     num_tokens = T.dynamic("num_tokens")
     part_len, count_tiles = T.dynamic("part_len"), T.dynamic("count_tiles")
 
@@ -63,26 +73,30 @@ def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: 
             ls = T.alloc_shared((block_t, block_k), "bfloat16")
             phs = [T.alloc_shared((2 * NG, block_k), "bfloat16") for _ in streams]
             xs = [T.alloc_shared((block_t, block_k), "bfloat16") for _ in streams]  # the new residual's chunk
-            post_s = T.alloc_shared((block_t, n), "float32")
-            comb_s = T.alloc_shared((block_t, n, n), "float32")
             mix2 = T.alloc_fragment((block_t, 2 * NG), "float32")  # h_mix = the sum of its two halves
-            sq = T.alloc_fragment((block_t, block_k), "float32")
-            sumsq = T.alloc_fragment((block_t,), "float32")
+            sq_s = T.alloc_shared((block_t, lanes), "float32")  # the threads' sums of squares
             mix2_s = T.alloc_shared((block_t, 2 * NG), "float32")
             sumsq_s = T.alloc_shared((block_t,), "float32")
+            # A thread owns VEC columns of `passes` tokens of every chunk: their post weights stay in registers.
+            pw = T.alloc_local((passes, n), "float32")
+            cw = T.alloc_local((passes, n, n), "float32")
+            ssq = T.alloc_local((passes,), "float32")
+            y = T.alloc_local((VEC,), "bfloat16")
+            r = T.alloc_local((n, VEC), "bfloat16")
+            xv = T.alloc_local((VEC,), "bfloat16")
+            tx = T.get_thread_binding()
+            row, c = tx // lanes, tx % lanes * VEC
             t0 = bx * block_t
 
-            # The tile's post weights, before the pipelined loop (rows of under 16 bytes are no TMA copies, which
-            # must stay out of it; rows past the last token read as zero).
-            # (flat loops: a [block_t, n, n] parallel loop has no thread layout for every n and thread count)
-            for e in T.Parallel(block_t * n):
-                t, k = e // n, e % n
-                post_s[t, k] = T.if_then_else(t0 + t < num_tokens, Post[T.min(t0 + t, num_tokens - 1), k], 0.0)
-            for e in T.Parallel(block_t * n * n):
-                t, j, k = e // (n * n), e // n % n, e % n
-                comb_s[t, j, k] = T.if_then_else(t0 + t < num_tokens, Comb[T.min(t0 + t, num_tokens - 1), j, k], 0.0)
+            for u in T.unroll(passes):  # zero past the last token (those rows are never stored)
+                t = T.min(t0 + row + rows * u, num_tokens - 1)
+                live = t0 + row + rows * u < num_tokens
+                ssq[u] = 0.0
+                for i in streams:
+                    pw[u, i] = T.if_then_else(live, Post[t, i], 0.0)
+                    for j in streams:
+                        cw[u, j, i] = T.if_then_else(live, Comb[t, j, i], 0.0)
             T.clear(mix2)
-            T.clear(sq)
             for kp in T.Pipelined(per_split, num_stages=num_stages):
                 d0 = (sp * per_split + kp) * block_k
                 for j in streams:
@@ -94,15 +108,26 @@ def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: 
                 # TMA producer after their last reader, and ptxas may issue that release with these shared loads
                 # still in flight (see bwd_two_pass). The loop of one keeps the fence inside the same statement.
                 for _ in T.serial(1):
-                    for t, k in T.Parallel(block_t, block_k):
-                        for i in streams:
-                            x_new = T.cast(post_s[t, i] * T.cast(ls[t, k], "float32")
-                                           + sum(comb_s[t, j, i] * T.cast(rs[j][t, k], "float32") for j in streams),
-                                           "bfloat16")
-                            xs[i][t, k] = x_new
-                            sq[t, k] += T.cast(x_new, "float32") * T.cast(x_new, "float32")
-                            if t0 + t < num_tokens and d0 + k < D:
-                                NewResidual[t0 + t, i, d0 + k] = x_new
+                    for u in T.unroll(passes):
+                        tl = row + rows * u
+                        if tl < block_t:
+                            # each input vector loaded once (16 bytes), used by every output stream
+                            for e in T.vectorized(VEC):
+                                y[e] = ls[tl, c + e]
+                            for j in streams:
+                                for e in T.vectorized(VEC):
+                                    r[j, e] = rs[j][tl, c + e]
+                            for i in streams:
+                                for e in T.unroll(VEC):
+                                    xv[e] = T.cast(pw[u, i] * T.cast(y[e], "float32")
+                                                   + sum(cw[u, j, i] * T.cast(r[j, e], "float32") for j in streams),
+                                                   "bfloat16")
+                                    ssq[u] += T.cast(xv[e], "float32") * T.cast(xv[e], "float32")
+                                for e in T.vectorized(VEC):
+                                    xs[i][tl, c + e] = xv[e]
+                                if t0 + tl < num_tokens and d0 + c < D:
+                                    for e in T.vectorized(VEC):
+                                        NewResidual[t0 + tl, i, d0 + c + e] = xv[e]
                     T.fence_proxy_async()
                 # Every stream's product in flight at once, one wait; in a loop of one so that TileLang hands phi's
                 # tiles back after the wait, not after the (asynchronous) issue.
@@ -110,11 +135,14 @@ def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: 
                     for i in streams:
                         T.wgmma_gemm(xs[i], phs[i], mix2, transpose_B=True, policy=policy)
                     T.wait_wgmma(0)
-            T.reduce_sum(sq, sumsq, dim=1)
-
+            for u in T.unroll(passes):
+                if row + rows * u < block_t:
+                    sq_s[row + rows * u, tx % lanes] = ssq[u]
             T.copy(mix2, mix2_s)
-            for t in T.Parallel(block_t):
-                sumsq_s[t] = sumsq[t]
+            for t in T.Parallel(block_t):  # each token's partial sums, in lane order
+                sumsq_s[t] = 0.0
+                for lane in T.serial(lanes):
+                    sumsq_s[t] += sq_s[t, lane]
             last = T.alloc_shared((1,), "int32")
             if splits > 1:  # the tile's last CTA adds every split's partials, in split order
                 T.sync_threads()
@@ -127,7 +155,21 @@ def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: 
                         HPre[t0 + t, r] = weights.h_pre(Alpha, inv_rms, mix, Bias[r], hc_eps)
                     elif r < 2 * n:
                         HPost[t0 + t, r - n] = weights.h_post(Alpha, inv_rms, mix, Bias[r])
-                    else:
+                    elif not sinkhorn_iters:
                         HRes[t0 + t, r - 2 * n] = weights.h_res_logit(Alpha, inv_rms, mix, Bias[r])
+            if sinkhorn_iters:  # comb from the logits, a token per thread (as the pre's mix kernel)
+                p = T.alloc_local((n * n,), "float32")
+                q = T.alloc_local((n,), "float32")
+                d = T.alloc_local((n,), "float32")
+                for k in T.serial(T.ceildiv(block_t, threads)):
+                    t = k * threads + tx
+                    if (splits == 1 or last[0] == 1) and t < block_t and t0 + t < num_tokens:
+                        inv_rms = weights.inv_rms(sumsq_s[t], n, D, rms_eps)
+                        for e in T.unroll(n * n):
+                            p[e] = weights.h_res_logit(Alpha, inv_rms, mix2_s[t, 2 * n + e] + mix2_s[t, NG + 2 * n + e],
+                                                       Bias[2 * n + e])
+                        project(p, q, d)
+                        for e in T.unroll(n * n):
+                            HRes[t0 + t, e] = p[e]
 
     return mhc_post_mix
