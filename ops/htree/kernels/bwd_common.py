@@ -83,6 +83,20 @@ def unrotate(x, y, cos, sin):
     return x * cos + y * sin, y * cos - x * sin
 
 
+@T.macro
+def warp_double_buffer(k, count, prefetch_next):
+    """Before a warp computes the k-th of its `count` items from stage k % 2 of its own double buffer: the other stage
+    (item k - 1's, read by now) takes item k + 1's loads (``prefetch_next(stage)``: cp.async, one commit), or an empty
+    commit after the last item, so that item k's group is always the second newest; then wait for it."""
+    T.sync_warp()  # item k - 1 is read: its stage takes item k + 1
+    if k + 1 < count:
+        prefetch_next(1 - k % 2)
+    else:
+        T.ptx_commit_group()
+    T.ptx_wait_group(1)
+    T.sync_warp()
+
+
 def lower_layer_tiles(tile, prefetch=None):
     """The macro running a fragment rows kernel's ``tile`` (bwd_rows16, bwd_rows32) over a row's layers below the top,
     l = num_lower - 1 .. 0: the layer's candidate count n and its parents into shared memory, then warp w takes
@@ -133,14 +147,7 @@ def lower_layer_tiles(tile, prefetch=None):
                 if prefetch is None:
                     on_layer(*layer, l, n, p0, w, gr, tg, 0, False)
                 else:
-                    st = it % 2
-                    T.sync_warp()  # tile it - 1 is read: its stage takes tile it + 1
-                    if it + 1 < n_it:
-                        on_layer(*layer, l, n, p0 + 64, w, gr, tg, 1 - st, True)
-                    else:
-                        T.ptx_commit_group()  # an empty group: tile it's is then always the second newest
-                    T.ptx_wait_group(1)
-                    T.sync_warp()
-                    on_layer(*layer, l, n, p0, w, gr, tg, st, False)
+                    warp_double_buffer(it, n_it, lambda st: on_layer(*layer, l, n, p0 + 64, w, gr, tg, st, True))
+                    on_layer(*layer, l, n, p0, w, gr, tg, it % 2, False)
 
     return walk

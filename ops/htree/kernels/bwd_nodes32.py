@@ -28,7 +28,7 @@ import math
 
 from ...common.hw import LOG2E
 from ..tree import MAX_LAYERS
-from .bwd_common import LN2, unrotate
+from .bwd_common import LN2, unrotate, warp_double_buffer
 from .bwd_nodes import LIST_SLOT_BITS
 from .fragments import rope_pair, tf32_tiles
 
@@ -201,14 +201,9 @@ def htree_bwd_nodes32_kernel(num_heads: int, num_kv_heads: int, head_dim: int, v
                              T.shfl_sync(rel_k, 0))
                     for k in T.serial(cnt):
                         st = k % 2
-                        T.sync_warp()  # entry k - 1 is read: its stage takes entry k + 1
-                        if k + 1 < cnt:
-                            prefetch(Q, dO, Lse, Dl, Cos, Sin, qs, ds, ax, w, lane, 1 - st, b, h,
-                                     t_start + T.shfl_sync(ts_k, k + 1), T.shfl_sync(rel_k, k + 1))
-                        else:
-                            T.ptx_commit_group()  # an empty group: entry k's is then always the second newest
-                        T.ptx_wait_group(1)
-                        T.sync_warp()
+                        warp_double_buffer(k, cnt, lambda s: prefetch(
+                            Q, dO, Lse, Dl, Cos, Sin, qs, ds, ax, w, lane, s, b, h, t_start + T.shfl_sync(ts_k, k + 1),
+                            T.shfl_sync(rel_k, k + 1)))
                         ts = T.shfl_sync(ts_k, k)
                         slot = T.shfl_sync(slot_k, k)
                         t = t_start + ts
