@@ -342,6 +342,8 @@ def test_post_pre_kernels_compile_for_sm90a(n, D, iters):
         assert "wgmma" in src and "tma_load" in src
         if iters:
             assert src.count("exp") > MHCPostPreTileLang(n, D)._mix.get_kernel_source().count("exp")
+        # each input stream's vector is loaded once (16 bytes) for all n outputs, not once per output stream
+        assert src.count("*(uint4*)(r + ") == n and src.count("*(uint4*)(y + 0)") == 1
         assert "cudaGridDependencySynchronize" not in src and "cluster" not in src.lower()
         # D = 4096 / 7168 split their chunks over CTAs, whose last adds the partials (no CTA waits)
         assert src.count("mhc_last_split(") == 1  # the prelude's definition: one CTA per tile, no split
