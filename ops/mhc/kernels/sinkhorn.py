@@ -95,7 +95,8 @@ def _macros(n: int, hc_eps: float):
 
 def sinkhorn_project(n: int, sinkhorn_iters: int, hc_eps: float):
     """A per-thread macro ``project(p, q, d)``: p [n*n] (local) from one token's comb logits to comb, their
-    Sinkhorn projection (q, d: local arrays of n). Used by `mhc_pre_sinkhorn` and the mix kernel's epilogue."""
+    Sinkhorn projection (q, d: local arrays of n). Used by `mhc_pre_sinkhorn` and the epilogues of the
+    mix kernels (`mhc_pre_mix`, `mhc_post_mix`)."""
     softmax_rows, _, normalize, _ = _macros(n, hc_eps)
 
     @T.macro
