@@ -1,13 +1,16 @@
 """HSA decode on the GPU: selection and decode vs the golden on random ragged batches (outputs poisoned
-with NaN), given selections, ties, page reprs, every validation error, CUDA-graph capture/replay, and the
-custom ops (eager and under torch.compile(fullgraph=True)) against the classes."""
+with NaN), given selections, ties, HSA extend's build of the top-k against the decode's, page reprs, every
+validation error, CUDA-graph capture/replay, and the custom ops (eager and under torch.compile(fullgraph=True)) against the classes."""
 
 import pytest
 import torch
 
 from golden.hsa_decode import hsa_decode, page_repr, random_case
 import ops.hsa as hsa_ops
+from ops.common.runtime import compile_kernel
 from ops.hsa import HSADecodeTileLang, HSAPageReprTileLang
+from ops.hsa.kernels.topk import hsa_topk_kernel
+from ops.hsa.schedule import EXTEND_HIST_BITS, EXTEND_TOPK_THREADS
 
 pytestmark = pytest.mark.gpu
 
@@ -125,6 +128,24 @@ def test_ties_go_to_smaller_logical_page_crowded_bin(name, row):
     assert torch.equal(ids, ids_ref)
     k = SPECS[name]["topk"]
     assert (ids_ref[row, :, :k] == inputs["page_table"][row, :k]).all()
+
+
+@pytest.mark.parametrize("name,crowded", [("bench", False), ("long", False), ("long", True), ("wide", True)])
+def test_extend_topk_build_selects_the_same(name, crowded):
+    """HSA extend's build of the top-k (fewer threads and histogram bins) picks what the decode's does, bitwise:
+    random scores, and every score equal (the ranking by counting, and past 512 candidates the radix select)."""
+    op, inputs = get_op(name), make_case(name, seed=6, invalid_frac=0.0 if crowded else 0.1)
+    if crowded:
+        inputs["chunk_repr"][:] = inputs["chunk_repr"][0]
+    s = SPECS[name]
+    keys = op.empty_keys(inputs["q"].shape[0], inputs["page_table"].shape[1], inputs["q"].device)
+    op.score_kernel(inputs["q"], inputs["page_table"], inputs["seq_lens"], inputs["chunk_repr"],
+                    op.valid_bytes(inputs["repr_valid"], inputs["chunk_repr"].shape[0], inputs["q"].device), keys)
+    extend_topk = compile_kernel(hsa_topk_kernel(s["num_kv_heads"], s["page_size"], s["topk"], s["window_size"],
+                                                 EXTEND_TOPK_THREADS, EXTEND_HIST_BITS))
+    ids, scores = op.top_pages(keys, inputs["page_table"], inputs["seq_lens"])
+    ids_x, scores_x = op.top_pages(keys, inputs["page_table"], inputs["seq_lens"], extend_topk)
+    assert torch.equal(ids_x, ids) and torch.equal(scores_x, scores)
 
 
 def test_bench_long_rows(poisoned):

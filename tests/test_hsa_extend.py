@@ -1,8 +1,9 @@
-"""HSAExtendTileLang on the CPU: the plan's decode rows and tiles against the golden's, the page-major entry lists
-against a loop, the run's glue with the page-major, local and combine kernels' algorithms emulated in float64 and the
+"""HSAExtendTileLang on the CPU: the plan's decode rows and tiles against the golden's, the page-major entry lists'
+glue against a loop, the run's glue with the page-major, local and combine kernels' algorithms emulated in float64 and the
 golden's selection (it must give golden.hsa_decode.hsa_extend), the value checks, and compile-only builds (the golden itself is checked against the
 float64 decode definition token by token in test_hsa_decode.py)."""
 
+import itertools
 import math
 
 import pytest
@@ -12,7 +13,6 @@ from golden.hsa_decode import extend_rows, hsa_extend, local_range, random_case,
 import ops.hsa.decode as decode_module
 import ops.hsa.extend as extend_module
 from ops.hsa import HSAExtendTileLang
-from ops.hsa.extend import page_entries
 from test_hsa_decode import COMPILE_SPECS  # tests/ is on sys.path under pytest
 
 # the spec of test_hsa_decode.py's COMPILE_SPECS[0]: its kernels are built there
@@ -112,6 +112,30 @@ def _pages_emulation(spec):
     return kernel
 
 
+def _entries_emulation(op):
+    """The two entry-list kernels (`kernels/extend_entries.py`) as loops, called as the kernels: the count per group,
+    then each entry placed at its group's cursor, here the last entry first (the kernels' atomics give any order)."""
+    Hkv, K = op.spec["num_kv_heads"], op.spec["topk"]
+
+    def group(i, pid, num_pages):
+        return (i // K % Hkv) * num_pages + pid
+
+    def count(ids, counts):
+        num_pages = (counts.numel() - 1) // Hkv
+        for i, pid in enumerate(ids.tolist()):
+            if pid >= 0:
+                counts[1 + group(i, pid, num_pages)] += 1
+
+    def place(ids, cursor, entry_row, entry_slot):
+        num_pages = cursor.numel() // Hkv
+        for i, pid in reversed(list(enumerate(ids.tolist()))):
+            if pid >= 0:
+                g = group(i, pid, num_pages)
+                entry_row[cursor[g]], entry_slot[cursor[g]] = i // (Hkv * K), i % K
+                cursor[g] += 1
+    return count, place
+
+
 def _combine_emulation(o_part, logit_part, out):
     """The combine kernel: the slots merged by the softmax of their logits, 0 where every slot is empty."""
     w = torch.softmax(logit_part.double(), dim=1).nan_to_num(0.0)
@@ -169,6 +193,9 @@ def test_run_is_the_golden_extend(spec, monkeypatch):
     monkeypatch.setattr(op, "local_kernel", _local_emulation(spec, op.tile_tokens, topk))
     monkeypatch.setattr(op, "pages_kernel", _pages_emulation(spec))
     monkeypatch.setattr(op, "combine_kernel", _combine_emulation)
+    count, place = _entries_emulation(op)
+    monkeypatch.setattr(op, "count_kernel", count)
+    monkeypatch.setattr(op, "place_kernel", place)
     monkeypatch.setattr(op, "select", golden_select)
     o, ids = op(q, case["k_buffer"], case["v_buffer"], case["page_table"], case["seq_lens"], cum, case["chunk_repr"],
                 case["repr_valid"], return_selection=True, validate=False)
@@ -180,22 +207,38 @@ def test_run_is_the_golden_extend(spec, monkeypatch):
     torch.testing.assert_close(o.float(), o_ref.float(), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.compile
-def test_page_entries_against_a_loop():
-    """page_entries: group h * num_pages + p lists the (row, slot) entries that selected page p for kv head h, rows
-    ascending; -1 entries (no page) in no group, after the last; pages no row selected: empty groups."""
-    g = torch.Generator().manual_seed(0)
-    R, Hkv, K, num_pages = 90, 3, 5, 12
-    ids = torch.stack([torch.randperm(num_pages - 2, generator=g)[:K] for _ in range(R * Hkv)]).view(R, Hkv, K)
-    ids = torch.where(torch.rand(R, Hkv, K, generator=g) < 0.2, -1, ids).to(torch.int32)
-    start, row, slot = page_entries(ids, num_pages)
+def page_entries_match_a_loop(op, ids, num_pages):
+    """op.page_entries(ids, num_pages): group h * num_pages + p holds the (row, slot) entries that selected page p
+    for kv head h (in any order); -1 entries (no page) in no group; pages no row selected: empty groups. (The GPU
+    test runs the kernels.)"""
+    start, row, slot = op.page_entries(ids, num_pages)
+    R, Hkv, K = ids.shape
     assert start.dtype == row.dtype == slot.dtype == torch.int32 and start.numel() == Hkv * num_pages + 1
     assert int(start[0]) == 0 and int(start[-1]) == int((ids >= 0).sum())
-    for h in range(Hkv):
-        for p in range(num_pages):
-            gi = h * num_pages + p
-            got = list(zip(row[start[gi]:start[gi + 1]].tolist(), slot[start[gi]:start[gi + 1]].tolist()))
-            assert got == [(r, k) for r in range(R) for k in range(K) if ids[r, h, k] == p]
+    expected = {}
+    for (r, h, k), p in zip(itertools.product(range(R), range(Hkv), range(K)), ids.flatten().tolist()):
+        if p >= 0:
+            expected.setdefault(h * num_pages + p, []).append((r, k))
+    start, row, slot = start.tolist(), row.tolist(), slot.tolist()
+    for gi in range(Hkv * num_pages):
+        got = sorted(zip(row[start[gi]:start[gi + 1]], slot[start[gi]:start[gi + 1]]))
+        assert got == expected.get(gi, []), f"group {gi}"
+
+
+def random_selections(R, Hkv, K, num_pages, device="cpu"):
+    """ids [R, Hkv, K]: distinct pages per row below num_pages - 2 (the last two never selected), 20% -1."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(num_pages - 2, generator=g)[:K] for _ in range(R * Hkv)]).view(R, Hkv, K)
+    return torch.where(torch.rand(R, Hkv, K, generator=g) < 0.2, -1, ids).to(torch.int32).to(device)
+
+
+@pytest.mark.compile
+def test_page_entries_against_a_loop(op, monkeypatch):
+    """The entry lists' glue (counts, their scan, the cursors) with the two kernels emulated."""
+    count, place = _entries_emulation(op)
+    monkeypatch.setattr(op, "count_kernel", count)
+    monkeypatch.setattr(op, "place_kernel", place)
+    page_entries_match_a_loop(op, random_selections(90, op.spec["num_kv_heads"], op.spec["topk"], 12), 12)
 
 
 @pytest.mark.compile
@@ -232,13 +275,14 @@ def test_rejects_bad_types(op):
 @pytest.mark.parametrize("spec", COMPILE_SPECS,
                          ids=lambda s: f"{s['selection_strategy']}G{s['num_heads'] // s['num_kv_heads']}")
 def test_compiles_for_sm90a(spec):
-    """The extend's own kernels (the tiles' score GEMM, the page-major attention, the local tokens, the combine);
-    the top-k is the decode's, built in
-    test_hsa_decode.py."""
+    """The extend's own kernels (the tiles' score GEMM, the entry lists' two kernels, the page-major attention, the
+    local tokens, the combine) and its build of the decode's top-k."""
     spec = {k: v for k, v in spec.items() if k != "score_config"}  # the decode's score kernel only
     op = HSAExtendTileLang(**spec)
     source = op.score_kernel.get_kernel_source()
     assert "__global__" in source and "wgmma" in source
     assert "hsa_extend_local" in op.local_kernel.get_kernel_source()
     assert "hsa_extend_pages" in op.pages_kernel.get_kernel_source()
+    assert "AtomicAdd" in op.count_kernel.get_kernel_source() and "AtomicAddRet" in op.place_kernel.get_kernel_source()
+    assert "hsa_topk" in op.topk_kernel.get_kernel_source()
     assert "hsa_extend_combine" in op.combine_kernel.get_kernel_source()

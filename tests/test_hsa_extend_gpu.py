@@ -1,13 +1,15 @@
 """HSA extend on the GPU: compiled vs golden.hsa_decode.hsa_extend on ragged chunks over paged histories (outputs
 poisoned with NaN), both strategies and combines, windows of 0, less than a page and several pages, stale reprs,
-top-k above the candidates, histories of 0 and less than a page, q_len = 1 against the decode op, and CUDA-graph
-capture of plan + run with validation off. Selections are compared up to near-ties (assert_selection_up_to_ties)."""
+top-k above the candidates, histories of 0 and less than a page, q_len = 1 against the decode op, CUDA-graph
+capture of plan + run with validation off, bitwise equal repeated calls, and the entry lists' kernels against a loop.
+Selections are compared up to near-ties (assert_selection_up_to_ties)."""
 
 import pytest
 import torch
 
 from golden.hsa_decode import extend_rows, hsa_extend, random_case, select_pages
 from ops.hsa import HSADecodeTileLang, HSAExtendTileLang
+from test_hsa_extend import page_entries_match_a_loop, random_selections  # tests/ is on sys.path under pytest
 
 pytestmark = pytest.mark.gpu
 
@@ -99,6 +101,23 @@ def test_extend_matches_golden(name, poisoned):
         o, ids = op(b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], b["cum_seq_lens_q"],
                     b["chunk_repr"], b["repr_valid"], return_selection=True)
     check_against_golden(name, b, o, ids)
+
+
+def test_extend_is_deterministic():
+    """Bitwise equal outputs of two calls: the entry lists' order within a group varies (atomics), the page-major
+    kernel's rows do not depend on it."""
+    name = "bench"
+    op, b = get_op(name), make_batch(name, seed=5)
+    args = (b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], b["cum_seq_lens_q"], b["chunk_repr"],
+            b["repr_valid"])
+    assert torch.equal(op(*args), op(*args))
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_page_entries_kernels(name):
+    s = SPECS[name]
+    page_entries_match_a_loop(get_op(name), random_selections(300, s["num_kv_heads"], s["topk"], s["topk"] + 40,
+                                                              "cuda"), s["topk"] + 40)
 
 
 def test_one_new_token_is_decode():

@@ -1,5 +1,6 @@
-"""Entry lists grouped by key on the device, no host sync: the index that page-major and node-major kernels walk
-(HSA extend's pages, htree backward's parents)."""
+"""Entry lists grouped by key on the device, no host sync, in a stable order: the index that node-major kernels
+walk where the order within a group matters (htree backward's parents, summed in order). HSA extend's page lists,
+whose order does not matter, come from its own counting sort (`ops/hsa/kernels/extend_entries.py`)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,9 @@ token is answered exactly as a decode of its request at its position (``golden.h
 and query tiles (a few consecutive new tokens of one request), on the device with no host sync. ``run`` scores each
 tile's tokens against its request's candidate reprs in one GEMM per (tile, kv head) (``extend_score``), runs the
 decode's top-k over the rows, then attends page-major: the (token, slot) entries grouped by selected page
-(``page_entries``, device ops), each page read once for all the tokens that chose it (``extend_pages``), the local
-tokens per tile (``extend_local``), and a combine of each token's slots (docs/design/hsa.md).
+(``page_entries``: a counting sort on the device), each page read once for all the tokens that chose it
+(``extend_pages``), the local tokens per tile (``extend_local``), and a combine of each token's slots
+(docs/design/hsa.md).
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..common.grouping import group_by_key
 from ..common.protocol import Op
 from ..common.validate import check_bool, check_tensor, check_values
 from ..common.runtime import NO_WARP_SPECIALIZATION, compile_kernel
 from .decode import BENCH_SPEC, HSADecodeTileLang
 from .kernels.extend_score import extend_tile_tokens, hsa_extend_score_kernel
 from .kernels.extend_pages import hsa_extend_combine_kernel, hsa_extend_pages_kernel
+from .kernels.extend_entries import hsa_extend_count_kernel, hsa_extend_place_kernel
+from .kernels.topk import hsa_topk_kernel
+from .schedule import EXTEND_HIST_BITS, EXTEND_TOPK_THREADS
 from .kernels.extend_local import hsa_extend_local_kernel
 
 
@@ -55,8 +58,7 @@ class HSAExtendTileLang(Op):
 
     Workspace per call: the partial slots, total_q x (topk + 1) x num_heads x (2 x head_dim + 4) bytes (16-bit
     outputs and fp32 logits; 8.7 GB for 16384 new tokens at H = 32, D = 128, topk = 64), the selection keys
-    (total_q x num_kv_heads x max_pages x 4 bytes) and the entry lists and their sort (~total_q x num_kv_heads x
-    topk x 24 bytes)."""
+    (total_q x num_kv_heads x max_pages x 4 bytes) and the entry lists (total_q x num_kv_heads x topk x 8 bytes)."""
 
     op_name = "hsa_extend"
     warm_specs = (BENCH_SPEC,)
@@ -88,6 +90,10 @@ class HSAExtendTileLang(Op):
             hsa_extend_local_kernel(num_heads, num_kv_heads, head_dim, page_size, sp["dtype"], window_size,
                                     sp["scale"], self.tile_tokens, part=topk, threads=32 * min(4, page_size // 8)),
             pass_configs=NO_WARP_SPECIALIZATION)
+        self.topk_kernel = compile_kernel(hsa_topk_kernel(num_kv_heads, page_size, topk, window_size,
+                                                          EXTEND_TOPK_THREADS, EXTEND_HIST_BITS))
+        self.count_kernel = compile_kernel(hsa_extend_count_kernel(num_kv_heads, topk))
+        self.place_kernel = compile_kernel(hsa_extend_place_kernel(num_kv_heads, topk))
         self.pages_kernel = compile_kernel(hsa_extend_pages_kernel(
             num_heads, num_kv_heads, head_dim, page_size, topk, sp["dtype"], combine, sp["scale"]))
         # a plain cp.async pipeline: warp specialization would hold one CTA per SM (240 registers)
@@ -162,21 +168,35 @@ class HSAExtendTileLang(Op):
         topk, dev = self.spec["topk"], q.device
         o_part = torch.empty(plan.total_q, topk + 1, *q.shape[1:], dtype=q.dtype, device=dev)
         logit_part = torch.full((plan.total_q, topk + 1, q.shape[1]), float("-inf"), device=dev)
-        self.pages_kernel(q, k_buffer, v_buffer, chunk_repr, *page_entries(ids, chunk_repr.shape[0]), o_part,
+        self.pages_kernel(q, k_buffer, v_buffer, chunk_repr, *self.page_entries(ids, chunk_repr.shape[0]), o_part,
                           logit_part)
         self.local_kernel(q, k_buffer, v_buffer, plan.request_page_table, plan.cum_seq_lens_q, plan.seq_lens,
                           plan.tile_req, plan.tile_row0, o_part, logit_part)
         self.combine_kernel(o_part, logit_part, out)
 
+    def page_entries(self, ids: torch.Tensor, num_pages: int):
+        """The page-major kernel's lists, on the device with no host sync: the (row, slot) entries of ids [total_q,
+        Hkv, topk] (-1: none) grouped by (kv head, physical page): (group_start [Hkv * num_pages + 1], entry_row,
+        entry_slot [total_q * Hkv * topk], all int32); group h * num_pages + p holds entries group_start[g] ..
+        [g + 1], in no particular order (`kernels/extend_entries.py`); the entries past the last group are unused. ids
+        must not be empty (`run` returns before)."""
+        flat, groups = ids.reshape(-1), ids.shape[1] * num_pages
+        counts = torch.zeros(groups + 1, dtype=torch.int32, device=ids.device)
+        entry_row, entry_slot = torch.empty_like(flat), torch.empty_like(flat)
+        self.count_kernel(flat, counts)
+        group_start = counts.cumsum(0, dtype=torch.int32)
+        self.place_kernel(flat, group_start[:-1].clone(), entry_row, entry_slot)
+        return group_start, entry_row, entry_slot
+
     def select(self, q, chunk_repr, plan: ExtendPlan, repr_valid=None) -> torch.Tensor:
         """selected_page_ids [total_q, Hkv, topk] of the planned batch: the tiles' scores, then the decode's top-k
-        over each row."""
+        (built for short rows: ``EXTEND_TOPK_THREADS``, ``EXTEND_HIST_BITS``) over each row."""
         valid = self.decode.valid_bytes(repr_valid, chunk_repr.shape[0], q.device)
         keys = self.decode.empty_keys(plan.total_q, plan.page_table.shape[1], q.device)
         if plan.tile_req.numel():
             self.score_kernel(q, plan.request_page_table, plan.cum_seq_lens_q, plan.seq_lens, plan.tile_req,
                               plan.tile_row0, chunk_repr, valid, keys)
-        ids, _ = self.decode.top_pages(keys, plan.page_table, plan.seq_lens)
+        ids, _ = self.decode.top_pages(keys, plan.page_table, plan.seq_lens, self.topk_kernel)
         return ids
 
     def __call__(self, q, k_buffer, v_buffer, page_table, seq_lens, cum_seq_lens_q, chunk_repr, repr_valid=None,
@@ -186,16 +206,3 @@ class HSAExtendTileLang(Op):
                      device=q.device)
         plan = self.plan(page_table, seq_lens, cum_seq_lens_q, q.shape[0], chunk_repr.shape[0], validate)
         return self.run(q, k_buffer, v_buffer, chunk_repr, plan, repr_valid, out, return_selection)
-
-
-def page_entries(ids: torch.Tensor, num_pages: int):
-    """The page-major kernel's lists, on the device with no host sync: the (row, slot) entries of ids [total_q, Hkv,
-    topk] (-1: none) grouped by (kv head, physical page): (group_start [Hkv * num_pages + 1] int32, entry_row,
-    entry_slot [total_q * Hkv * topk] int32); group h * num_pages + p holds entries group_start[g] .. [g + 1], rows
-    ascending; the missing pages' entries come after the last group."""
-    R, Hkv, K = ids.shape
-    dev = ids.device
-    groups = Hkv * num_pages
-    head = torch.arange(Hkv, dtype=torch.int32, device=dev)[None, :, None] * num_pages
-    group_start, order = group_by_key(torch.where(ids >= 0, head + ids, groups), groups)
-    return group_start, (order // (Hkv * K)).to(torch.int32), (order % K).to(torch.int32)

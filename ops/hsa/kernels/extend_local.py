@@ -72,12 +72,12 @@ def hsa_extend_local_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                     j = pl0 + it  # the logical page
                     pid = page_table[b, T.min(j, max_pages - 1)]
                     T.copy(k_buffer[pid * page_size:(pid + 1) * page_size, h, :], k_s)
-                    # Slots past the request's end may hold anything: P is 0 there, but 0 * NaN is not. (Plain
-                    # loads: TileLang's pipeline planner takes no second write to an async-copied tile, so V
-                    # cannot be copied by cp.async and then zeroed there.)
+                    # Slots past the request's end may hold anything: P is 0 there, but 0 * NaN is not. Their V
+                    # rows are read from the page's last key of the request instead (every page of the loop holds
+                    # one), so V comes by cp.async with K, a page ahead, and is never written twice.
+                    last_key = T.min(row_lens[last] - 1 - j * page_size, page_size - 1)
                     for n, d in T.Parallel(page_size, head_dim):
-                        v_s[n, d] = T.if_then_else(j * page_size + n < row_lens[last],
-                                                   v_buffer[pid * page_size + n, h, d], T.cast(0, dtype))
+                        v_s[n, d] = v_buffer[pid * page_size + T.min(n, last_key), h, d]
                     for m in T.Parallel(M):
                         L = tok_len[m // G]
                         row_lo[m] = T.max(first_local(L, page_size, window_size) - j * page_size, 0)

@@ -45,6 +45,10 @@ def hsa_extend_pages_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                          entry_slot: T.Tensor((num_entries,), "int32"),
                          o_part: T.Tensor((total_q, num_parts, num_heads, head_dim), dtype),
                          logit_part: T.Tensor((total_q, num_parts, num_heads), f32)):
+        # the partial slots as rows (token, slot): an entry's destination is one staged int32 index (total_q x
+        # num_parts < 2^31: the partials of more slots would not fit in memory)
+        o_dst = T.reshape(o_part, (total_q * num_parts, num_heads, head_dim))
+        logit_dst = T.reshape(logit_part, (total_q * num_parts, num_heads))
         with T.Kernel(num_pages, num_kv_heads, threads=threads) as (p, h):
             k_s = T.alloc_shared((page_size, head_dim), dtype)
             v_s = T.alloc_shared((page_size, head_dim), dtype)
@@ -59,8 +63,11 @@ def hsa_extend_pages_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             z_row = T.alloc_fragment((block_m,), f32)
             m_pg = T.alloc_fragment((block_m,), f32)
             l_pg = T.alloc_fragment((block_m,), f32)
-            rows_s = T.alloc_shared((chunk,), "int32")  # the chunk's entries (plain loads: a gather's index
-            slots_s = T.alloc_shared((chunk,), "int32")  # must not come from an async copy still in flight)
+            inv_l = T.alloc_fragment((block_m,), f32)  # one division per row, not per output element
+            # the chunk's entries: token rows and partial-slot rows (plain loads: a gather's index must not come
+            # from an async copy still in flight)
+            rows_s = T.alloc_shared((chunk,), "int32")
+            dst_s = T.alloc_shared((chunk,), "int32")
             e0 = group_start[h * num_pages + p]
             n = group_start[h * num_pages + p + 1] - e0
             if n > 0:
@@ -74,33 +81,37 @@ def hsa_extend_pages_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                     nc = T.min(n - c0, chunk)
                     for i in T.Parallel(chunk):
                         rows_s[i] = entry_row[e0 + c0 + T.min(i, nc - 1)]
-                        slots_s[i] = entry_slot[e0 + c0 + T.min(i, nc - 1)]
+                        dst_s[i] = rows_s[i] * num_parts + entry_slot[e0 + c0 + T.min(i, nc - 1)]
                     for it in T.Pipelined(T.ceildiv(nc, eb), num_stages=1):
                         # the block's query rows, gathered (the next block's while this one computes)
                         for m, d in T.Parallel(block_m, head_dim):
                             q_s[m, d] = q[rows_s[T.min(it * eb + m // G, nc - 1)], h * G + m % G, d]
+                        if fuse_z:  # issued without a wait: the scores' product below waits for both
+                            T.wgmma_gemm(q_s, e_s, z, transpose_B=True, clear_accum=True,
+                                         policy=T.GemmWarpPolicy.FullRow)
                         T.gemm(q_s, k_s, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         if fuse_z:
-                            T.gemm(q_s, e_s, z, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                             T.reduce_sum(z, z_row, dim=1)  # column 0 (the others are 0: exact)
                         T.reduce_max(acc_s, m_pg, dim=1)
                         for m, j in T.Parallel(block_m, page_size):
-                            acc_s[m, j] = T.exp2((acc_s[m, j] - m_pg[m]) * unit)
+                            acc_s[m, j] = T.exp2(acc_s[m, j] * unit - m_pg[m] * unit)
                         T.reduce_sum(acc_s, l_pg, dim=1)
                         T.copy(acc_s, p_f)
                         T.gemm(p_f, v_s, acc_o, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        for m in T.Parallel(block_m):
+                            inv_l[m] = 1 / l_pg[m]
                         for m, d in T.Parallel(block_m, head_dim):
-                            o_s[m, d] = T.cast(acc_o[m, d] / l_pg[m], dtype)
+                            o_s[m, d] = T.cast(acc_o[m, d] * inv_l[m], dtype)
                         for m in T.Parallel(block_m):
                             i = it * eb + m // G
                             if i < nc:
                                 # natural units, as the combine's
-                                logit_part[rows_s[i], slots_s[i], h * G + m % G] = (
+                                logit_dst[dst_s[i], h * G + m % G] = (
                                     z_row[m] * scale if fuse_z else m_pg[m] * scale + T.log(l_pg[m]))
                         for m, d in T.Parallel(block_m, head_dim):
                             i = it * eb + m // G
                             if i < nc:
-                                o_part[rows_s[i], slots_s[i], h * G + m % G, d] = o_s[m, d]
+                                o_dst[dst_s[i], h * G + m % G, d] = o_s[m, d]
 
     return hsa_extend_pages
 

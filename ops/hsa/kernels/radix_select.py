@@ -1,6 +1,6 @@
 """Radix select over a row of 32-bit keys in one CTA, with ties broken by the smaller index: the HSA top-k's
-fallback for crowded rows. No HSA constants: every macro takes the CTA's thread count ``threads`` (= the
-histogram's bins, RADIX_BINS for 8-bit digits) and ``idx_bits``, the bits of a key's index in the row (a
+fallback for crowded rows. No HSA constants: every macro takes the CTA's thread count ``threads`` (a power of two
+up to the histogram's RADIX_BINS bins of an 8-bit digit) and ``idx_bits``, the bits of a key's index in the row (a
 multiple of 8). Each digit's bin is found by the shared ``ops.common.tl.radix.pick_digit``.
 
 A row is ``keys[b, h, :n]`` (0 marks a key that never wins); the threads stream it in batches of
@@ -79,7 +79,7 @@ def select(keys, b, h, n, k_eff, comp, threads: int, idx_bits: int):
     """Radix select over the composite (key, idx_top - index): 8-bit digits, one shared histogram per digit,
     stopping as soon as the k_eff-th key's digits are settled (the index digits only matter on exact key
     ties). The k_eff winners go to comp[:k_eff] as composites, unordered. Each digit's bin comes from
-    pick_digit (threads == RADIX_BINS)."""
+    pick_digit (warp 0; threads a power of two from 32 to RADIX_BINS)."""
     idx_top = (1 << idx_bits) - 1
     tx = T.get_thread_binding()
     hist = T.alloc_shared((RADIX_BINS,), "int32")
@@ -101,7 +101,8 @@ def select(keys, b, h, n, k_eff, comp, threads: int, idx_bits: int):
         if done == 0:
             on_score = p < 4
             shift = T.if_then_else(on_score, 24 - 8 * p, idx_bits - 8 - 8 * (p - 4))
-            hist[tx] = 0
+            for i in T.unroll(RADIX_BINS // threads):
+                hist[i * threads + tx] = 0
             if tx == 0:
                 state[0] = 0
                 state[1] = need

@@ -4,32 +4,32 @@ crowded histogram bin fall back to the radix select of ``radix_select`` (see doc
 
 import tilelang.language as T
 
-from ..schedule import HIST_BINS, HIST_BITS, IDX_BITS, RADIX, RANK_MAX, RANK_UNROLL
+from ..schedule import HIST_BITS, IDX_BITS, RADIX, RANK_MAX, RANK_UNROLL
 from .common import first_local, key_to_score, u32
 from ...common.tl.radix import suffix_sum
 from .radix_select import KEY_BATCH, load_batch, scatter, select
 
 
-def bin_of(key):
-    """Histogram bin of a key: its top HIST_BITS bits."""
-    return T.cast(key >> u32(32 - HIST_BITS), "int32")
+def bin_of(key, hist_bits: int):
+    """Histogram bin of a key: its top hist_bits bits."""
+    return T.cast(key >> u32(32 - hist_bits), "int32")
 
 
-def from_bin(thr):
+def from_bin(thr, hist_bits: int):
     """What ``scatter`` collects after the histogram pass, as wins(key, logical page): the keys in bin thr and
     above."""
-    return lambda key, page: bin_of(key) >= thr
+    return lambda key, page: bin_of(key, hist_bits) >= thr
 
 
 @T.macro
-def count_keys(keys, kbuf, key_hist, b, h, n, tx, threads: int):
+def count_keys(keys, kbuf, key_hist, b, h, n, tx, threads: int, hist_bits: int):
     """Pass 1: key_hist[bin] += 1 for every candidate key (!= 0) of the row keys[b, h, :n]; a barrier
     follows."""
     for it in T.serial(T.ceildiv(n, threads * KEY_BATCH)):
         load_batch(keys, kbuf, b, h, n, it, tx, threads)
         for e in T.unroll(KEY_BATCH):
             if kbuf[e] != u32(0):
-                T.atomic_add(key_hist[bin_of(kbuf[e])], 1)
+                T.atomic_add(key_hist[bin_of(kbuf[e], hist_bits)], 1)
     T.sync_threads()
 
 
@@ -61,17 +61,20 @@ def write_ranked(comp, n, k_eff, page_table, b, h, selected_page_ids, selected_s
                 selected_scores[b, h, rank] = key_to_score(T.cast(mine >> IDX_BITS, "uint32"))
 
 
-def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: int):
-    """Top-k of the key rows keys[b, h, :n_cand(b)] by (key, smaller logical page first), one CTA of 256
-    threads per (request, kv head). A first pass over the row counts its keys by their top HIST_BITS bits
-    in shared memory; the bin of the k-th key bounds the candidates: the keys in it and above. When they are
-    at most RANK_MAX (the usual case: one bin is 1/8 of an octave of scores) a second pass collects them
-    and each is ranked by counting. Otherwise (a crowded bin, e.g. many equal scores, or
-    topk > RANK_MAX) a radix select over the row finds the k winners first. Winners go to
-    selected_page_ids / selected_scores best first, padded with -1 / -inf."""
-    NT = RADIX
+def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: int, threads: int = RADIX,
+                    hist_bits: int = HIST_BITS):
+    """Top-k of the key rows keys[b, h, :n_cand(b)] by (key, smaller logical page first), one CTA of `threads`
+    (32 to RADIX, a power of two) per (request, kv head). A first pass over the row counts its keys by their top
+    `hist_bits` bits in shared memory; the bin of the k-th key bounds the candidates: the keys in it and above.
+    When they are at most RANK_MAX (the usual case: one bin is 1/8 of an octave of scores at the default 12 bits)
+    a second pass collects them and each is ranked by counting. Otherwise (a crowded bin, e.g. many equal
+    scores, or topk > RANK_MAX) a radix select over the row finds the k winners first. Winners go to
+    selected_page_ids / selected_scores best first, padded with -1 / -inf. Fewer threads and bins suit short
+    rows (HSA extend's: many rows of ~1000 keys, each CTA's time mostly latency): more rows in flight per SM."""
+    NT = threads
     NW = NT // 32
-    BPT = HIST_BINS // NT  # histogram bins per thread
+    BINS = 1 << hist_bits
+    BPT = BINS // NT  # histogram bins per thread
     n_comp = -(-max(topk, RANK_MAX) // NT) * NT
     batch, max_pages = T.dynamic("batch, max_pages")
 
@@ -84,7 +87,7 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
         with T.Kernel(num_kv_heads, batch, threads=NT) as (h, b):
             tx = T.get_thread_binding()
             comp = T.alloc_shared((n_comp,), "uint64")
-            key_hist = T.alloc_shared((HIST_BINS,), "int32")
+            key_hist = T.alloc_shared((BINS,), "int32")
             suffix = T.alloc_shared((NT + 1,), "int32")
             warp_sum = T.alloc_shared((NW,), "int32")
             cut = T.alloc_shared((2,), "int32")  # the bin of the k-th key, and the keys in it and above
@@ -101,7 +104,7 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
             for i in T.unroll(BPT):
                 key_hist[i * NT + tx] = 0
             T.sync_threads()
-            count_keys(keys, kbuf, key_hist, b, h, n, tx, NT)
+            count_keys(keys, kbuf, key_hist, b, h, n, tx, NT, hist_bits)
             for v in T.vectorized(BPT):
                 counts[v] = key_hist[tx * BPT + v]
             # TileLang lays the buffers below over the histogram (its last read is above): no write before
@@ -110,7 +113,7 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
             for v in T.unroll(BPT):
                 acc += counts[v]
             if tx == 0:
-                cut[0] = HIST_BINS  # no candidates: no bin qualifies
+                cut[0] = BINS  # no candidates: no bin qualifies
                 cut[1] = 0
                 filled[0] = 0
             suffix_sum(acc, suffix, warp_sum, NT)
@@ -127,7 +130,7 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
             thr = cut[0]
             if cut[1] <= RANK_MAX:
                 # The bound always holds (the histogram counted these keys); it keeps the stores in comp.
-                scatter(keys, b, h, n, from_bin(thr), filled, 0, n_comp, comp, NT, IDX_BITS)
+                scatter(keys, b, h, n, from_bin(thr, hist_bits), filled, 0, n_comp, comp, NT, IDX_BITS)
                 write_ranked(comp, cut[1], k_eff, page_table, b, h, selected_page_ids, selected_scores, topk, NT)
             else:
                 select(keys, b, h, n, k_eff, comp, NT, IDX_BITS)
