@@ -3,12 +3,12 @@
 Every new token selects `topk` pages per kv head, and at the bench shapes a page is selected by tens to hundreds of
 a request's new tokens. `hsa_extend_pages` runs one CTA per (physical page, kv head): it reads the page's K and V
 once and goes through the list of the (token, slot) entries that selected it (built on the device by
-``ops.hsa.extend.page_entries``), in blocks of rows (entry, query head of the group), each row's softmax over the
+``HSAExtendTileLang.page_entries``), in blocks of rows (entry, query head of the group), each row's softmax over the
 page alone. It writes each row's normalized page output and merge logit (the page's log-sum-exp in token combine,
 z = scale q . repr in softmax combine) into the token's partial slot: a page is read once per launch instead of
 once per token, and the partials cost ~(head_dim x 2 + 4) bytes per (token, query head, slot) written and read.
 A page selected by a token is complete and wholly before its local window, so no key is masked. Rows are
-independent: the result does not depend on how the entries are blocked (deterministic).
+independent: the result does not depend on how the entries are blocked or ordered (deterministic).
 
 `hsa_extend_combine` merges a token's topk + 1 partial slots (the selected pages and the local tokens, written by
 ``kernels/extend_local.py``) per query head: o = sum_s exp(logit_s - max) o_s / sum_s exp(logit_s - max), 0 when no
@@ -64,9 +64,9 @@ def hsa_extend_pages_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             m_pg = T.alloc_fragment((block_m,), f32)
             l_pg = T.alloc_fragment((block_m,), f32)
             inv_l = T.alloc_fragment((block_m,), f32)  # one division per row, not per output element
-            # the chunk's entries: token rows and partial-slot rows (plain loads: a gather's index must not come
-            # from an async copy still in flight)
-            rows_s = T.alloc_shared((chunk,), "int32")
+            # the chunk's entries' partial-slot rows (the query gather reads its token rows from global memory:
+            # an index staged in shared memory made TileLang put a block barrier before each of its 8 cp.async
+            # rounds)
             dst_s = T.alloc_shared((chunk,), "int32")
             e0 = group_start[h * num_pages + p]
             n = group_start[h * num_pages + p + 1] - e0
@@ -80,12 +80,12 @@ def hsa_extend_pages_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                     c0 = c * chunk
                     nc = T.min(n - c0, chunk)
                     for i in T.Parallel(chunk):
-                        rows_s[i] = entry_row[e0 + c0 + T.min(i, nc - 1)]
-                        dst_s[i] = rows_s[i] * num_parts + entry_slot[e0 + c0 + T.min(i, nc - 1)]
+                        e = e0 + c0 + T.min(i, nc - 1)
+                        dst_s[i] = entry_row[e] * num_parts + entry_slot[e]
                     for it in T.Pipelined(T.ceildiv(nc, eb), num_stages=1):
                         # the block's query rows, gathered (the next block's while this one computes)
                         for m, d in T.Parallel(block_m, head_dim):
-                            q_s[m, d] = q[rows_s[T.min(it * eb + m // G, nc - 1)], h * G + m % G, d]
+                            q_s[m, d] = q[entry_row[e0 + c0 + T.min(it * eb + m // G, nc - 1)], h * G + m % G, d]
                         if fuse_z:  # issued without a wait: the scores' product below waits for both
                             T.wgmma_gemm(q_s, e_s, z, transpose_B=True, clear_accum=True,
                                          policy=T.GemmWarpPolicy.FullRow)
