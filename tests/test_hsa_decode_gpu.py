@@ -1,6 +1,7 @@
 """HSA decode on the GPU: selection and decode vs the golden on random ragged batches (outputs poisoned
 with NaN), given selections, ties, HSA extend's build of the top-k against the decode's, page reprs, every
-validation error, CUDA-graph capture/replay, and the custom ops (eager and under torch.compile(fullgraph=True)) against the classes."""
+validation error, CUDA-graph capture/replay, and the custom ops (eager and under torch.compile(fullgraph=True))
+against the classes."""
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
 """HSAExtendTileLang on the CPU: the plan's decode rows and tiles against the golden's, the page-major entry lists'
-glue against a loop, the run's glue with the page-major, local and combine kernels' algorithms emulated in float64 and the
-golden's selection (it must give golden.hsa_decode.hsa_extend), the value checks, and compile-only builds (the golden itself is checked against the
-float64 decode definition token by token in test_hsa_decode.py)."""
+glue against a loop, the run's glue with the entry lists', page-major, local and combine kernels' algorithms emulated
+(float64) and the golden's selection (it must give golden.hsa_decode.hsa_extend), the value checks, and compile-only
+builds (the golden itself is checked against the float64 decode definition token by token in test_hsa_decode.py)."""
 
 import itertools
 import math

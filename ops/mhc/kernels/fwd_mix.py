@@ -9,7 +9,7 @@ waves."""
 
 from ...common import runtime  # noqa: F401  (the kernel cache dir before TileLang is imported)
 from ..tiling import _D_PAD, _SIDE_D, _round_up, phi_split_rows
-from .sinkhorn import sinkhorn_project
+from .sinkhorn import sinkhorn_epilogue
 from .splits import SPLIT_SRC, sum_splits
 from . import weights
 
@@ -32,7 +32,7 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
     assert per_split * splits == n * d_chunks and not (apply and splits > 1)
     num_tokens = T.dynamic("num_tokens")
     part_len, count_tiles = T.dynamic("part_len"), T.dynamic("count_tiles")
-    project = sinkhorn_project(n, sinkhorn_iters, hc_eps) if sinkhorn_iters else None
+    epilogue = sinkhorn_epilogue(n, D, rms_eps, sinkhorn_iters, hc_eps) if sinkhorn_iters else None
     sum_split_parts = sum_splits(splits, block_t, NG)
 
     @T.prim_func
@@ -108,18 +108,8 @@ def mhc_pre_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float,
                     elif not sinkhorn_iters:
                         HRes[t0 + t, r - 2 * n] = weights.h_res_logit(Alpha, rms, mix_s[t, r], Bias[r])
             if sinkhorn_iters:  # comb from the logits, a token per thread (mix_s and sumsq_s are only read)
-                p = T.alloc_local((n * n,), "float32")
-                q = T.alloc_local((n,), "float32")
-                d = T.alloc_local((n,), "float32")
-                for i in T.serial(T.ceildiv(block_t, threads)):
-                    tt = i * threads + T.get_thread_binding()
-                    if (splits == 1 or last[0] == 1) and tt < block_t and t0 + tt < num_tokens:
-                        scale = Alpha[2] * weights.inv_rms(sumsq_s[tt], n, D, rms_eps)
-                        for e in T.unroll(n * n):
-                            p[e] = scale * mix_s[tt, 2 * n + e] + Bias[2 * n + e]
-                        project(p, q, d)
-                        for e in T.unroll(n * n):
-                            HRes[t0 + tt, e] = p[e]
+                epilogue(HRes, Alpha, Bias, sumsq_s, lambda t, r: mix_s[t, r], t0, num_tokens, block_t, threads,
+                         splits == 1 or last[0] == 1)
             if apply:
                 x_f = T.alloc_fragment((n, block_t, _SIDE_D), "bfloat16")
                 out_f = T.alloc_fragment((block_t, _SIDE_D), "float32")

@@ -18,7 +18,7 @@ persistent and no CTA waits for another. The design and what was weighed against
 from ...common import runtime  # noqa: F401  (the kernel cache dir before TileLang is imported)
 from ..tiling import _D_PAD, _round_up, phi_split_rows
 from . import weights
-from .sinkhorn import sinkhorn_project
+from .sinkhorn import sinkhorn_epilogue
 from .splits import SPLIT_SRC, sum_splits
 
 import tilelang.language as T  # noqa: E402
@@ -43,7 +43,7 @@ def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: 
     per_split = d_chunks // splits
     assert per_split * splits == d_chunks
     sum_split_parts = sum_splits(splits, block_t, 2 * NG)
-    project = sinkhorn_project(n, sinkhorn_iters, hc_eps) if sinkhorn_iters else None
+    epilogue = sinkhorn_epilogue(n, D, rms_eps, sinkhorn_iters, hc_eps) if sinkhorn_iters else None
     streams = tuple(range(n))  # Python tuples: the loops over them unroll while tracing
     lanes = block_k // VEC  # threads per token row of a chunk
     rows = threads // lanes  # token rows per pass of the threads over a chunk
@@ -158,18 +158,7 @@ def mhc_post_mix_kernel(n: int, D: int, rms_eps: float, hc_eps: float, block_t: 
                     elif not sinkhorn_iters:
                         HRes[t0 + t, r - 2 * n] = weights.h_res_logit(Alpha, inv_rms, mix, Bias[r])
             if sinkhorn_iters:  # comb from the logits, a token per thread (as the pre's mix kernel)
-                p = T.alloc_local((n * n,), "float32")
-                q = T.alloc_local((n,), "float32")
-                d = T.alloc_local((n,), "float32")
-                for k in T.serial(T.ceildiv(block_t, threads)):
-                    t = k * threads + tx
-                    if (splits == 1 or last[0] == 1) and t < block_t and t0 + t < num_tokens:
-                        inv_rms = weights.inv_rms(sumsq_s[t], n, D, rms_eps)
-                        for e in T.unroll(n * n):
-                            p[e] = weights.h_res_logit(Alpha, inv_rms, mix2_s[t, 2 * n + e] + mix2_s[t, NG + 2 * n + e],
-                                                       Bias[2 * n + e])
-                        project(p, q, d)
-                        for e in T.unroll(n * n):
-                            HRes[t0 + t, e] = p[e]
+                epilogue(HRes, Alpha, Bias, sumsq_s, lambda t, r: mix2_s[t, r] + mix2_s[t, NG + r], t0, num_tokens,
+                         block_t, threads, splits == 1 or last[0] == 1)
 
     return mhc_post_mix

@@ -17,6 +17,7 @@ import operator
 
 from ...common import runtime  # noqa: F401  (the kernel cache dir before TileLang is imported)
 from ..tiling import _SINKHORN_THREADS, sinkhorn_segment
+from . import weights
 
 import tilelang.language as T  # noqa: E402
 
@@ -95,8 +96,7 @@ def _macros(n: int, hc_eps: float):
 
 def sinkhorn_project(n: int, sinkhorn_iters: int, hc_eps: float):
     """A per-thread macro ``project(p, q, d)``: p [n*n] (local) from one token's comb logits to comb, their
-    Sinkhorn projection (q, d: local arrays of n). Used by `mhc_pre_sinkhorn` and the epilogues of the
-    mix kernels (`mhc_pre_mix`, `mhc_post_mix`)."""
+    Sinkhorn projection (q, d: local arrays of n). Used by `mhc_pre_sinkhorn` and `sinkhorn_epilogue`."""
     softmax_rows, _, normalize, _ = _macros(n, hc_eps)
 
     @T.macro
@@ -110,6 +110,31 @@ def sinkhorn_project(n: int, sinkhorn_iters: int, hc_eps: float):
             normalize(p, d, 0, q, True)
 
     return project
+
+
+def sinkhorn_epilogue(n: int, D: int, rms_eps: float, sinkhorn_iters: int, hc_eps: float):
+    """The mix kernels' epilogue with `sinkhorn_iters` >= 1 (`mhc_pre_mix`, `mhc_post_mix`), a macro
+    ``epilogue(HRes, Alpha, Bias, sumsq_s, mix, t0, num_tokens, block_t, threads, ready)``: a token of the tile
+    per thread, its comb logits from its h_mix entries (``mix(t, r)``: token t's entry r) and sum of squares
+    (``sumsq_s[t]``), projected, into HRes[t0 + t]; ``ready``: whether this CTA finishes the tile."""
+    project = sinkhorn_project(n, sinkhorn_iters, hc_eps)
+
+    @T.macro
+    def epilogue(HRes, Alpha, Bias, sumsq_s, mix, t0, num_tokens, block_t, threads, ready):
+        p = T.alloc_local((n * n,), "float32")
+        q = T.alloc_local((n,), "float32")
+        d = T.alloc_local((n,), "float32")
+        for k in T.serial(T.ceildiv(block_t, threads)):
+            t = k * threads + T.get_thread_binding()
+            if ready and t < block_t and t0 + t < num_tokens:
+                rms = weights.inv_rms(sumsq_s[t], n, D, rms_eps)
+                for e in T.unroll(n * n):
+                    p[e] = weights.h_res_logit(Alpha, rms, mix(t, 2 * n + e), Bias[2 * n + e])
+                project(p, q, d)
+                for e in T.unroll(n * n):
+                    HRes[t0 + t, e] = p[e]
+
+    return epilogue
 
 
 def mhc_pre_sinkhorn_kernel(n: int, sinkhorn_iters: int, hc_eps: float, threads: int = _SINKHORN_THREADS):
