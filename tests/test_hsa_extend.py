@@ -153,12 +153,13 @@ def test_plan_rows_are_the_goldens(op):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("q_lens", [(20, 0, 40, 1), (0, 0, 0, 0), (16, 17, 1, 33)])
-def test_tiles_cover_every_token_once(op, q_lens):
-    """The score tiles: every new token in exactly one tile of its request, tiles of tile_tokens consecutive tokens
+@pytest.mark.parametrize("tokens", [1, 4, 16, 64])
+def test_tiles_cover_every_token_once(q_lens, tokens):
+    """The query tiles: every new token in exactly one tile of its request, tiles of `tokens` consecutive tokens
     (fewer at a request's end) in request order, spare tiles (request -1) last, the count the host bound."""
     cum = torch.tensor((0,) + q_lens).cumsum(0).to(torch.int32)
-    tile_req, tile_row0 = op.tiles(cum, int(cum[-1]))
-    tokens, want = op.tile_tokens, []
+    tile_req, tile_row0 = HSAExtendTileLang.tiles(cum, int(cum[-1]), tokens)
+    want = []
     for b, n in enumerate(q_lens):
         want += [(b, int(cum[b]) + i) for i in range(0, n, tokens)]
     got = list(zip(tile_req.tolist(), tile_row0.tolist()))

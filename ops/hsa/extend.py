@@ -33,7 +33,8 @@ from .kernels.extend_local import hsa_extend_local_kernel
 class ExtendPlan:
     """An extend batch (``HSAExtendTileLang.plan``) as decode rows: per new token its request's page-table row
     [total_q, max_pages] and its decode length [total_q]; and as query tiles for the scores and the attention: per
-    tile its request (-1: a spare tile) and first row, with the batch's page table and cum_seq_lens_q (all int32)."""
+    tile its request (-1: a spare tile) and first row, with the batch's page table and cum_seq_lens_q (all int32); the
+    score kernel's tiles (twice as many tokens where the attention's fill 64 rows) the same way."""
     page_table: torch.Tensor
     seq_lens: torch.Tensor
     total_q: int
@@ -41,6 +42,8 @@ class ExtendPlan:
     cum_seq_lens_q: torch.Tensor
     tile_req: torch.Tensor
     tile_row0: torch.Tensor
+    score_tile_req: torch.Tensor
+    score_tile_row0: torch.Tensor
 
 
 class HSAExtendTileLang(Op):
@@ -82,8 +85,13 @@ class HSAExtendTileLang(Op):
         self.config = self.decode.config
         sp = self.spec
         self.tile_tokens = extend_tile_tokens(num_heads, num_kv_heads)
+        # The scores' tiles: 128 GEMM rows on two warpgroups where G divides 64, so that each step's reprs are
+        # gathered once for twice the tokens.
+        self.score_tokens = extend_tile_tokens(num_heads, num_kv_heads, 128 if 64 % (num_heads // num_kv_heads) == 0
+                                               else 64)
         self.score_kernel = compile_kernel(hsa_extend_score_kernel(
-            num_heads, num_kv_heads, head_dim, page_size, sp["dtype"], selection_strategy, window_size, sp["scale"]))
+            num_heads, num_kv_heads, head_dim, page_size, sp["dtype"], selection_strategy, window_size, sp["scale"],
+            self.score_tokens))
         # As the decode's: without warp specialization, every warp computes, splitting the N of every product
         # (N = page_size needs >= 8 per warp). The local tokens go to the partial slot after the topk pages'.
         self.local_kernel = compile_kernel(
@@ -123,15 +131,16 @@ class HSAExtendTileLang(Op):
         rows = torch.arange(total_q, device=dev, dtype=torch.int32)
         req = torch.searchsorted(cum_seq_lens_q[1:], rows, right=True).clamp_(max=max(B - 1, 0))
         pos = seq_lens[req] - q_lens[req] + rows - cum_seq_lens_q[req]
-        tile_req, tile_row0 = self.tiles(cum_seq_lens_q, total_q)
-        return ExtendPlan(page_table[req], (pos + 1).to(torch.int32), total_q, page_table, cum_seq_lens_q, tile_req,
-                          tile_row0)
+        return ExtendPlan(page_table[req], (pos + 1).to(torch.int32), total_q, page_table, cum_seq_lens_q,
+                          *self.tiles(cum_seq_lens_q, total_q, self.tile_tokens),
+                          *self.tiles(cum_seq_lens_q, total_q, self.score_tokens))
 
-    def tiles(self, cum_seq_lens_q: torch.Tensor, total_q: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The query tiles of the scores, on the device: (request or -1, first row) per tile, request by request,
-        ``tile_tokens`` new tokens each (fewer at a request's end). Their count is a bound known on the host (no
-        sync): spare tiles come last, with request -1."""
-        B, tokens = cum_seq_lens_q.shape[0] - 1, self.tile_tokens
+    @staticmethod
+    def tiles(cum_seq_lens_q: torch.Tensor, total_q: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query tiles on the device: (request or -1, first row) per tile, request by request, ``tokens`` new tokens
+        each (fewer at a request's end). Their count is a bound known on the host (no sync): spare tiles come last,
+        with request -1."""
+        B = cum_seq_lens_q.shape[0] - 1
         bound = (total_q + B * (tokens - 1)) // tokens
         q_lens = (cum_seq_lens_q[1:] - cum_seq_lens_q[:-1]).long()
         per_req = (q_lens + tokens - 1) // tokens  # each request's tiles, its first tile's index
@@ -193,9 +202,9 @@ class HSAExtendTileLang(Op):
         (built for short rows: ``EXTEND_TOPK_THREADS``, ``EXTEND_HIST_BITS``) over each row."""
         valid = self.decode.valid_bytes(repr_valid, chunk_repr.shape[0], q.device)
         keys = self.decode.empty_keys(plan.total_q, plan.page_table.shape[1], q.device)
-        if plan.tile_req.numel():
-            self.score_kernel(q, plan.request_page_table, plan.cum_seq_lens_q, plan.seq_lens, plan.tile_req,
-                              plan.tile_row0, chunk_repr, valid, keys)
+        if plan.score_tile_req.numel():
+            self.score_kernel(q, plan.request_page_table, plan.cum_seq_lens_q, plan.seq_lens, plan.score_tile_req,
+                              plan.score_tile_row0, chunk_repr, valid, keys)
         ids, _ = self.decode.top_pages(keys, plan.page_table, plan.seq_lens, self.topk_kernel)
         return ids
 

@@ -15,20 +15,22 @@ import tilelang.language as T
 from .common import first_local, score_to_key, u32
 
 
-def extend_tile_tokens(num_heads: int, num_kv_heads: int) -> int:
-    """New tokens per query tile: 64 rows of the GEMM (one wgmma M tile), at least one token."""
-    return max(1, 64 // (num_heads // num_kv_heads))
+def extend_tile_tokens(num_heads: int, num_kv_heads: int, rows: int = 64) -> int:
+    """New tokens per query tile: `rows` rows of a GEMM (64: one wgmma M tile, the attention's tiles; 128: the
+    scores', two warpgroups), at least one token."""
+    return max(1, rows // (num_heads // num_kv_heads))
 
 
 def hsa_extend_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
-                            selection_strategy: str, window_size: int, scale: float, block_pages: int = 64,
-                            chunk: int = 1024, threads: int = 128):
+                            selection_strategy: str, window_size: int, scale: float, tokens: int,
+                            block_pages: int = 64, chunk: int = 1024):
     """keys[row, h, j] for the candidate pages j < n_cand(row) of every new token `row` (n_cand from its decode
     length row_lens[row] = p + 1): sortable bits of the score, 0 when the repr is invalid. Tile t covers rows
-    tile_row0[t] .. of request tile_req[t] (-1: a spare tile, idle) up to `tokens` of them within the request."""
+    tile_row0[t] .. of request tile_req[t] (-1: a spare tile, idle) up to `tokens` of them within the request: a
+    warpgroup per 64 rows of the GEMM (tokens x G of them), each repr step gathered once for the whole tile."""
     G = num_heads // num_kv_heads
-    tokens = extend_tile_tokens(num_heads, num_kv_heads)
     M = tokens * G
+    threads = 128 * max(1, M // 64)
     total_q, batch, max_pages, num_pages, num_tiles = T.dynamic("total_q, batch, max_pages, num_pages, num_tiles")
     f32 = "float32"
 
@@ -77,7 +79,7 @@ def hsa_extend_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                         j0 = st * block_pages
                         for j, d in T.Parallel(block_pages, head_dim):
                             r_s[j, d] = chunk_repr[pids[j0 + j], h, d]
-                        T.gemm(q_s, r_s, s_f, transpose_B=True, clear_accum=True)
+                        T.gemm(q_s, r_s, s_f, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         T.copy(s_f, s_s[:, :block_pages])
                         for i, j in T.Parallel(tokens, block_pages):
                             if c0 + j0 + j < cands[i]:
