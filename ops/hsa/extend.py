@@ -21,12 +21,12 @@ from ..common.protocol import Op
 from ..common.validate import check_bool, check_tensor, check_values
 from ..common.runtime import NO_WARP_SPECIALIZATION, compile_kernel
 from .decode import BENCH_SPEC, HSADecodeTileLang
-from .kernels.extend_score import extend_tile_tokens, hsa_extend_score_kernel
-from .kernels.extend_pages import hsa_extend_combine_kernel, hsa_extend_pages_kernel
 from .kernels.extend_entries import hsa_extend_count_kernel, hsa_extend_place_kernel
+from .kernels.extend_local import hsa_extend_local_kernel
+from .kernels.extend_pages import hsa_extend_combine_kernel, hsa_extend_pages_kernel
+from .kernels.extend_score import extend_tile_tokens, hsa_extend_score_kernel
 from .kernels.topk import hsa_topk_kernel
 from .schedule import EXTEND_HIST_BITS, EXTEND_TOPK_THREADS
-from .kernels.extend_local import hsa_extend_local_kernel
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ IDX_BITS = 24  # logical page index bits of the selection key (max_pages < 2**24
 RANK_MAX = 2 * RADIX  # up to this many top-k candidates are ranked by counting, without radix passes
 HIST_BITS = 12  # the top-k counts a row's keys by their top bits: 1/8 of an octave of scores a bin
 # HSA extend's top-k: many short rows (a new token's ~1000 candidates at 64K of history), each CTA's time mostly
-# latency: half the threads and bins fit 9 CTAs per SM instead of 5 (registers), 1.4x faster at 1000-key rows, even
-# at 8000 (H200: docs/design/hsa.md).
+# latency: half the threads and bins fit 9 CTAs per SM instead of 5 (registers): 1.4x faster on ~1000-key rows, as
+# fast on ~8000 (H200: docs/design/hsa.md).
 EXTEND_TOPK_THREADS = 128
 EXTEND_HIST_BITS = 11
 RANK_UNROLL = 8
