@@ -117,6 +117,27 @@ def test_warp_specialized_configs(config, poisoned):
     _run(spec, [200, 1, 0, 77, 16], [700, 0, 5, 1300, 2000], use_out=False, poisoned=poisoned)
 
 
+_FP8_WS_SPEC = dict(num_heads=8, num_kv_heads=1, head_dim=64, page_size=32, dtype=torch.bfloat16, kv_layout="HND",
+                    kv_dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", PagedAttentionPrefillTileLang.config_space(
+    dict(head_dim=64, page_size=32, dtype="bfloat16", kv_dtype="float8_e4m3fn")),
+    ids=lambda c: f"s{c['num_stages']}-k{c['k_widen']}-v{c['v_widen']}")
+def test_fp8_warp_specialized_configs(config, poisoned):
+    """Every ring depth the autotuner may pick for an 8-bit cache (its converter warps widen K and V into rings of
+    k_widen / v_widen tiles), on MQA with long histories (every ring wraps many times), against the golden."""
+    spec, q_lens, histories = _FP8_WS_SPEC, [200, 1, 0, 77, 16], [700, 0, 5, 1300, 2000]
+    op = PagedAttentionPrefillTileLang(**spec, config=config)
+    batch, scales = _option_batch(spec, q_lens, histories)
+    want, _ = _golden(spec, batch, scales)
+    with poisoned():
+        got = op(**batch, **scales)
+    tol = TOL[spec["dtype"]] * 2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
 @pytest.mark.gpu
 def test_schedule_orders_tiles_by_work():
     """Every query tile exactly once, by non-increasing KV work (history + first row), spare tiles last."""

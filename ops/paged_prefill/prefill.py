@@ -108,11 +108,12 @@ class PagedAttentionPrefillTileLang(Op):
 
     @classmethod
     def default_config(cls, spec: dict) -> dict:
-        return default_config(spec["head_dim"], spec["dtype"], spec["page_size"])
+        return default_config(spec["head_dim"], spec["dtype"], spec["page_size"], 8 if "kv_dtype" in spec else 16)
 
     @classmethod
     def config_space(cls, spec: dict) -> list[dict]:
-        return config_space(spec.get("head_dim", 128), spec.get("dtype", "bfloat16"), spec.get("page_size", 16))
+        return config_space(spec.get("head_dim", 128), spec.get("dtype", "bfloat16"), spec.get("page_size", 16),
+                            8 if "kv_dtype" in spec else 16)
 
     @classmethod
     def tunable_kernel(cls, spec: dict):
@@ -128,6 +129,12 @@ class PagedAttentionPrefillTileLang(Op):
             # step writes (a loop-carried value): step 0 issues no P @ V and the last one runs only after a
             # step, so no path reads it unwritten. The check's only finding there; it is off for this kernel.
             pass_configs["tl.disable_buffer_init_check"] = True
+            if "kv_dtype" in spec:
+                # Its converter warps' loops read the 8-bit ring and write the widened one: TileLang cannot tell
+                # the two apart in the merged shared memory and puts a warp barrier before every 16-byte store
+                # (the conversion then ran 2.3x slower than the consumers). Every cross-warp hand-off of this
+                # kernel is an mbarrier or an explicit named barrier, so its inferred barriers are all off.
+                pass_configs["tl.disable_thread_storage_sync"] = True
         return pass_configs
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int | None = None, page_size: int | None = None,
@@ -183,6 +190,9 @@ class PagedAttentionPrefillTileLang(Op):
         if kv_dtype == FP8:
             self.spec["kv_dtype"] = _TL_FP8
         self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
+        if kv_dtype == FP8 and self.config.get("cluster", 1) != 1:
+            raise ValueError(f"config['cluster']: expected 1 with kv_dtype={FP8} (its converter warps take the "
+                             f"producer warp a CTA pair needs), got {self.config['cluster']}")
         self._no_alibi, self._unit_scales = {}, {}
         self.kernel = compile_kernel(paged_prefill_kernel(**self.spec, **self.config),
                                      pass_configs=self.tunable_pass_configs(self.spec))

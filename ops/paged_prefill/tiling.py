@@ -4,7 +4,7 @@ space the autotuner may try. No TileLang here: this is plain arithmetic on the s
 
 from __future__ import annotations
 
-from ..common.hw import SMEM_LIMIT
+from ..common.hw import SMEM_BUDGET
 
 HEAD_DIMS = (64, 128, 256)
 BITS = {"float16": 16, "bfloat16": 16, "float32": 32, "float8_e4m3fn": 8}
@@ -20,16 +20,19 @@ MULTICAST_PAGES_FROM = 32
 WS_THREADS = 384  # producer warpgroup + 2 consumer warpgroups
 
 
-def ws_smem_bytes(q_tiles: int, block_N: int, num_stages: int, head_dim: int, kv_bits: int = 16) -> int:
+def ws_smem_bytes(q_tiles: int, block_N: int, num_stages: int, head_dim: int, kv_bits: int = 16,
+                  k_widen: int = 1, v_widen: int = 1, widen_q: bool = False) -> int:
     """Shared memory of the warp-specialized kernel's Q tiles (16-bit) and K / V rings (`kv_bits`); an
-    8-bit cache adds one 16-bit K and one V tile that the consumers convert each stage into."""
-    kv = 2 * num_stages * block_N * kv_bits // 8 + (2 * block_N * 2 if kv_bits == 8 else 0)
-    return (q_tiles * WS_BLOCK_M * 2 + kv) * head_dim
+    8-bit cache adds the rings of `k_widen` K and `v_widen` V fp16 tiles that its converter warps widen the
+    stages into and, with bf16 q (`widen_q`), an fp16 copy of each Q tile."""
+    kv = 2 * num_stages * block_N * kv_bits // 8 + ((k_widen + v_widen) * block_N * 2 if kv_bits == 8 else 0)
+    return (q_tiles * WS_BLOCK_M * 2 * (2 if widen_q else 1) + kv) * head_dim
 
 
-def ws_smem_fits(q_tiles: int, block_N: int, num_stages: int, head_dim: int, kv_bits: int = 16) -> bool:
-    """Whether they fit the shared memory a CTA may use (barriers and alignment aside)."""
-    return ws_smem_bytes(q_tiles, block_N, num_stages, head_dim, kv_bits) <= SMEM_LIMIT
+def ws_smem_fits(q_tiles: int, block_N: int, num_stages: int, head_dim: int, kv_bits: int = 16,
+                 k_widen: int = 1, v_widen: int = 1, widen_q: bool = False) -> bool:
+    """Whether they fit the shared memory a CTA may use (barriers and alignment aside: under 1 KB)."""
+    return ws_smem_bytes(q_tiles, block_N, num_stages, head_dim, kv_bits, k_widen, v_widen, widen_q) <= SMEM_BUDGET
 
 
 def head_pack(num_heads: int, num_kv_heads: int, block_M: int) -> int:
@@ -50,11 +53,22 @@ def warp_specialized(dtype: str, page_size: int) -> bool:
     return dtype != "float32" and page_size >= WS_PAGES_FROM
 
 
-def default_config(head_dim: int, dtype: str, page_size: int) -> dict:
-    """Tiles that fit shared memory (Q, plus K and V per pipeline stage) and registers."""
+# An 8-bit cache's ring depths (8-bit stages, widened K, widened V), by preference: V's widened ring is the one
+# to deepen first (H200, bench (b): a single one left the consumers waiting for its conversion each step, 4.5% slower)
+_WIDEN_DEPTHS = ((2, 1, 2), (2, 1, 1), (1, 1, 1))
+
+
+def default_config(head_dim: int, dtype: str, page_size: int, kv_bits: int = 16) -> dict:
+    """Tiles that fit shared memory (Q, plus K and V per pipeline stage) and registers. An 8-bit cache on the
+    warp-specialized kernel adds the depths of its widened rings (`k_widen`, `v_widen`) and runs without CTA pairs (the
+    producer warp a pair would take for V widens the stages instead)."""
     if warp_specialized(dtype, page_size):  # Q + 2 stages of K and V: 160 KB, 192 KB at head_dim 256
-        return {"block_N": 64 if head_dim == 256 else 128, "num_stages": 2,
-                "cluster": 2 if page_size >= MULTICAST_PAGES_FROM else 1}
+        block_N = 64 if head_dim == 256 else 128
+        if kv_bits == 8:  # the deepest rings that fit beside one Q tile (224 KB at head_dim 128 with bf16 q)
+            stages, k, v = next(c for c in _WIDEN_DEPTHS
+                                if ws_smem_fits(1, block_N, *c[:1], head_dim, 8, *c[1:], dtype == "bfloat16"))
+            return {"block_N": block_N, "num_stages": stages, "cluster": 1, "k_widen": k, "v_widen": v}
+        return {"block_N": block_N, "num_stages": 2, "cluster": 2 if page_size >= MULTICAST_PAGES_FROM else 1}
     # Whole-page (TMA) loads run two stages; the row gathers of smaller pages do not lower with two.
     stages = 2 if page_size >= PAGE_LOADS_FROM else 1
     if dtype == "float32":
@@ -64,9 +78,13 @@ def default_config(head_dim: int, dtype: str, page_size: int) -> dict:
     return {"block_M": 128, "block_N": 128, "num_stages": stages, "threads": 256}
 
 
-def config_space(head_dim: int, dtype: str, page_size: int) -> list[dict]:
+def config_space(head_dim: int, dtype: str, page_size: int, kv_bits: int = 16) -> list[dict]:
     """The configs the autotuner may try for a specialization."""
     if warp_specialized(dtype, page_size):
+        if kv_bits == 8:  # the default's tile; the 8-bit and the widened rings' depths within shared memory
+            n = default_config(head_dim, dtype, page_size, kv_bits)["block_N"]
+            return [{"block_N": n, "num_stages": s, "cluster": 1, "k_widen": k, "v_widen": v} for s in (1, 2)
+                    for k in (1, 2) for v in (1, 2) if ws_smem_fits(1, n, s, head_dim, 8, k, v, dtype == "bfloat16")]
         # Q plus num_stages x (K and V tiles) within shared memory.
         return [{"block_N": n, "num_stages": s, "cluster": c} for n in (64, 128) for s in (2, 3) for c in (1, 2)
                 if ws_smem_fits(1, n, s, head_dim)]

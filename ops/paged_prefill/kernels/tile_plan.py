@@ -177,17 +177,31 @@ class TilePlan:
         self.zero_v_tail = zero_v_tail
 
         @T.macro
-        def convert_kv(ring, st, dst, kt, kv_len, zero_tail):
-            # Stage st of an 8-bit K / V ring into the 16-bit tile `dst` for the 16-bit products (exact: e4m3
-            # values fit fp16 / bf16): to fp16 one cvt per pair of elements, to bf16 through fp32; with
-            # `zero_tail`, rows past the sequence end as 0 (they may hold NaN).
+        def convert_kv(ring, st, dst, ds, kt, kv_len, zero_tail, lane):
+            # One warp widens stage st of an 8-bit K / V ring into stage ds of the 16-bit ring `dst` (exact:
+            # e4m3 values fit fp16 / bf16; to fp16 one cvt per pair of elements, to bf16 through fp32), 8 bytes
+            # per lane a round; with `zero_tail`, rows past the sequence end as 0 (they may hold NaN). The
+            # loads of `batch` rounds go first: the compiler cannot move a shared load above an earlier shared
+            # store (both rings are one allocation to it), so a round at a time would serialize on latency.
             to = str(dst.dtype)
-            for j, d in T.Parallel(block_N, head_dim):
-                x = T.cast(ring[st, j, d], to) if to == "float16" else T.cast(T.cast(ring[st, j, d], accum), to)
-                if zero_tail:
-                    dst[j, d] = T.if_then_else(kt * block_N + j < kv_len, x, T.cast(0, to))
-                else:
-                    dst[j, d] = x
+            vec, batch = 8, 4
+            rounds = block_N * head_dim // (32 * vec)
+            raw = T.alloc_local((batch, vec), ring.dtype)
+            for b in T.serial(rounds // batch):
+                for u in T.unroll(batch):
+                    e0 = ((b * batch + u) * 32 + lane) * vec
+                    for e in T.vectorized(vec):
+                        raw[u, e] = ring[st, e0 // head_dim, e0 % head_dim + e]
+                for u in T.unroll(batch):
+                    e0 = ((b * batch + u) * 32 + lane) * vec
+                    j = e0 // head_dim
+                    for e in T.vectorized(vec):
+                        x = T.cast(raw[u, e], to) if to == "float16" else T.cast(T.cast(raw[u, e], accum), to)
+                        if zero_tail:
+                            dst[ds, j, e0 % head_dim + e] = T.if_then_else(kt * block_N + j < kv_len, x,
+                                                                             T.cast(0, to))
+                        else:
+                            dst[ds, j, e0 % head_dim + e] = x
         self.convert_kv = convert_kv
 
         @T.macro

@@ -2,11 +2,11 @@
 
 One CTA per SM walks (query tile, head group) work items, pulled from a device counter as it gets free (a
 dynamic schedule, as FA3's: a CTA whose SM another stream holds takes fewer items). In the producer
-warpgroup one warp loads each item's Q tile by TMA (two Q buffers where they fit, so a whole item ahead) and hands the item's scalars
-(sequence, position, KV steps) to the others in shared memory with it; another warp loads whole pages of
-K and V by TMA (one copy per page, or `block_N` slice of a larger page, and 128-byte column band) into a
-ring of `num_stages` buffers, one full / free mbarrier pair per buffer, running into the next item as soon
-as its Q tile has landed (its Q copies never wait on the ring). Two consumer warpgroups (64 query rows
+warpgroup one warp loads each item's Q tile by TMA (two Q buffers where they fit, so a whole item ahead) and
+hands the item's scalars (sequence, position, KV steps) to the others in shared memory with it; another warp
+loads whole pages of K and V by TMA (one copy per page, or `block_N` slice of a larger page, and 128-byte
+column band) into a ring of `num_stages` buffers, one full / free mbarrier pair per buffer, running into the
+next item as soon as its Q tile has landed (its Q copies never wait on the ring). Two consumer warpgroups (64 query rows
 each) issue the scores of KV tile j and the P @ V product of tile j-1 together, so the softmax of tile j
 overlaps that product on the tensor cores. The causal mask is applied only to tiles that cross the
 diagonal. A full tile's O is staged in its Q buffer and stored by TMA (per-thread stores of the
@@ -15,11 +15,16 @@ accumulator cost ~3 us per item).
 From 32-row pages, CTA pairs (clusters) take two adjacent query tiles of one head group and share each
 K / V tile: rank 0 multicasts it into both CTAs' rings, halving the L2 reads. On an H200 this kernel runs
 at the board's power cap, and the saved energy buys clock (1545 -> 1630 MHz at 4x4k).
+
+An 8-bit (FP8) cache is widened to fp16 by the producer warpgroup's two other warps, one for K and one for V,
+into rings of their own that the consumers read as they read a 16-bit cache's: the conversion stays off the
+consumers' critical path (converting in the consumers, between two barriers of theirs each step, was 12% slower).
 """
 
 from collections import namedtuple
 
 import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
 
 from ...common.runtime import max_active_clusters
 from ..tiling import BITS, WS_BLOCK_M, WS_THREADS, ws_smem_bytes, ws_smem_fits
@@ -38,8 +43,12 @@ _KVStream = namedtuple("_KVStream", "cache ring free full")
 # `T.Ref` arguments: a var read through a tuple would not load.)
 _Global = namedtuple("_Global", "Q KCache VCache BlockTables SeqLens CumSeqLensQ AlibiSlopes KVScales TileSeq "
                                  "TileQ0 Out Lse Sched")
-# k_conv / v_conv: the 16-bit tiles an 8-bit cache's stages are converted into (None for a 16-bit cache).
-_Shared = namedtuple("_Shared", "q_ring k_ring v_ring k_full v_full k_free v_free q_full q_free item_s k_conv v_conv")
+# The rings the consumers read K and V from: the TMA rings of a 16-bit cache, or the widened rings an 8-bit
+# cache's converter warps fill (`conv`: ring, full / free mbarriers, depth).
+_Ring = namedtuple("_Ring", "ring full free depth")
+# q_use: the Q tiles the scores read (q_ring, or its fp16 copies beside an 8-bit cache's fp16 K).
+_Shared = namedtuple("_Shared", "q_ring k_ring v_ring k_full v_full k_free v_free q_full q_free item_s k_use v_use "
+                                "q_use")
 # kv_mult: [k_scale, v_scale] of an 8-bit cache, in registers.
 _Frags = namedtuple("_Frags", "acc_s acc_p acc_o m_prev m_cur rescale row_sum denom slope kv_mult")
 
@@ -147,6 +156,33 @@ class _ProducerPhases:
                 w = w + 1
 
         @T.macro
+        def widen(src, dst, q_full, item_s, zero_tail):
+            # A converter warp of an 8-bit cache: every KV step's stage of `src` (_KVStream) widened into the
+            # next buffer of `dst` (_Ring) for the consumers' 16-bit products, off their critical path; V's
+            # rows past the sequence end as 0 (`zero_tail`: they may hold NaN, and 0 * NaN is not 0).
+            step = T.alloc_var("int32", init=0)
+            w = T.alloc_var("int32", init=0)
+            more = T.alloc_var("int32", init=1)
+            while more > 0:
+                qb = ring_stage(w, q_stages)
+                T.barrier_wait(q_full[qb], ring_phase(w, q_stages))
+                more = 1 - item_s[qb, _LAST]  # the slot stays valid: the consumers wait for this warp's tiles
+                kt0_p = item_s[qb, _KT0]
+                steps_p = item_s[qb, _STEPS]
+                kv_len_p = item_s[qb, _KV_LEN]
+                for kt in T.serial(kt0_p, steps_p):
+                    st = ring_stage(step, num_stages)
+                    cs = ring_stage(step, dst.depth)
+                    T.barrier_wait(src.full[st], ring_phase(step, num_stages))
+                    T.barrier_wait(dst.free[cs], ring_phase(step, dst.depth) ^ 1)
+                    plan.convert_kv(src.ring, st, dst.ring, cs, kt, kv_len_p, zero_tail, T.get_thread_binding() % 32)
+                    T.fence_proxy_async()  # the shared stores, before the products (async proxy) read them
+                    T.barrier_arrive(src.free[st])
+                    T.barrier_arrive(dst.full[cs])
+                    step = step + 1
+                w = w + 1
+
+        @T.macro
         def issue_q(gm, sm, rank, tx, w, work):
             # Q tile and scalars of the cluster's w-th item (work item `work`), handed to the consumers and the
             # K/V warp through q_full (its arrival releases the scalars' shared stores).
@@ -185,6 +221,10 @@ class _ProducerPhases:
             elif tx < WS_Q_WARP * 32 + 64:
                 if cluster > 1:  # warp 10: V
                     kv_rings([v_stream], sm.q_full, gm.BlockTables, sm.item_s, rank)
+                elif plan.fp8:  # warp 10: K widened
+                    widen(k_stream, sm.k_use, sm.q_full, sm.item_s, False)
+            elif plan.fp8:  # warp 11: V widened
+                widen(v_stream, sm.v_use, sm.q_full, sm.item_s, True)
 
         self.producer = producer
 
@@ -196,7 +236,8 @@ class _ConsumerPhases:
     def __init__(self, plan: TilePlan, head_dim: int, dtype: str, use_alibi: bool, num_stages: int,
                  q_stages: int, cluster: int, tma_out: bool):
         block_M, block_N, accum = WS_BLOCK_M, plan.block_N, "float32"
-        fp8 = plan.kv_dtype != dtype  # 8-bit stages, converted by the consumers for 16-bit products
+        fp8 = plan.fp8  # 8-bit stages, widened by converter warps for the 16-bit products
+        widen_q = fp8 and dtype != "float16"
 
         @T.macro
         def release(free, st, tx):
@@ -224,6 +265,11 @@ class _ConsumerPhases:
             q0 = sm.item_s[qb, _Q0]
             head0 = sm.item_s[qb, _HEAD0]
             rows = sm.item_s[qb, _ROWS]
+            if widen_q:  # bf16 q beside fp16 K: its fp16 copy (exact for |q| in [2^-14, 65504])
+                for i, d in T.Parallel(block_M, head_dim):
+                    sm.q_use[qb, i, d] = T.cast(sm.q_ring[qb, i, d], "float16")
+                T.fence_proxy_async()  # the shared stores, before the products (async proxy) read them
+                T.sync_threads(1, 256)
             if use_alibi:
                 plan.load_slopes(gm.AlibiSlopes, rf.slope, head0)
 
@@ -231,69 +277,43 @@ class _ConsumerPhases:
         def kv_step(gm, sm, rf, qb, i, kt0: T.Ref, step: T.Ref, pos0: T.Ref, kv_len: T.Ref, tx):
             # Scores of the item's i-th step (KV tile kt0 + i), then P @ V of step i-1 behind them: the
             # softmax below runs while the tensor cores finish that product. acc_p, which that product
-            # reads, was written by step i-1 (step 0 issues no P @ V).
+            # reads, was written by step i-1 (step 0 issues no P @ V). K and V come from the TMA rings, or
+            # for an 8-bit cache from the rings its converter warps widen them into.
+            k, v = sm.k_use, sm.v_use
             kt = kt0 + i
-            st = ring_stage(step + i, num_stages)
-            prev = ring_stage(step + i - 1, num_stages)
-            T.barrier_wait(sm.k_full[st], ring_phase(step + i, num_stages))
-            if fp8:
-                # K of stage st and V of stage prev into the 16-bit tiles, between two barriers of the 256
-                # consumer threads (before: the other warpgroup's products of the last step are done with
-                # them; after: the products read them whole), then both ring stages go back.
-                T.sync_threads(1, 256)
-                plan.convert_kv(sm.k_ring, st, sm.k_conv, kt, kv_len, False)
-                if i > 0:
-                    T.barrier_wait(sm.v_full[prev], ring_phase(step + i - 1, num_stages))
-                    plan.convert_kv(sm.v_ring, prev, sm.v_conv, kt - 1, kv_len, False)
-                T.fence_proxy_async()  # the shared stores, before the products (async proxy) read them
-                T.sync_threads(1, 256)
-                release(sm.k_free, st, tx)
-                if i > 0:
-                    release(sm.v_free, prev, tx)
-                T.wgmma_gemm(sm.q_ring[qb, :, :], sm.k_conv, rf.acc_s, transpose_B=True, clear_accum=True,
-                             policy=T.GemmWarpPolicy.FullRow)
-                if i > 0:
-                    T.wgmma_gemm(rf.acc_p, sm.v_conv, rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(1)
-                else:
-                    T.wait_wgmma(0)
+            st = ring_stage(step + i, k.depth)
+            prev = ring_stage(step + i - 1, v.depth)
+            T.barrier_wait(k.full[st], ring_phase(step + i, k.depth))
+            T.wgmma_gemm(sm.q_use[qb, :, :], k.ring[st, :, :], rf.acc_s, transpose_B=True,
+                         clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+            if i > 0:
+                T.barrier_wait(v.full[prev], ring_phase(step + i - 1, v.depth))
+                T.wgmma_gemm(rf.acc_p, v.ring[prev, :, :], rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
+                T.wait_wgmma(1)
             else:
-                T.wgmma_gemm(sm.q_ring[qb, :, :], sm.k_ring[st, :, :], rf.acc_s, transpose_B=True,
-                             clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                if i > 0:
-                    T.barrier_wait(sm.v_full[prev], ring_phase(step + i - 1, num_stages))
-                    T.wgmma_gemm(rf.acc_p, sm.v_ring[prev, :, :], rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
-                    T.wait_wgmma(1)
-                else:
-                    T.wait_wgmma(0)
-                release(sm.k_free, st, tx)
+                T.wait_wgmma(0)
+            release(k.free, st, tx)
             plan.shape_scores(rf.acc_s, rf.slope, kt, pos0, rf.kv_mult[0])
             plan.softmax_step(rf.acc_s, rf.m_cur, rf.m_prev, rf.rescale, rf.row_sum, rf.denom)
             T.wait_wgmma(0)
-            if not fp8 and i > 0:
-                release(sm.v_free, prev, tx)
+            if i > 0:
+                release(v.free, prev, tx)
             for i, d in T.Parallel(block_M, head_dim):
                 rf.acc_o[i, d] *= rf.rescale[i]
             T.copy(rf.acc_s, rf.acc_p)
 
         @T.macro
         def last_pv(gm, sm, rf, step: T.Ref, kt0: T.Ref, steps: T.Ref, kv_len: T.Ref, tx):
-            # P @ V of the last step (past the sequence end, the V rows are zeroed).
+            # P @ V of the last step (past the sequence end, the V rows are zeroed: here for a 16-bit cache, by
+            # the converter warp for an 8-bit one).
+            v = sm.v_use
             if steps > kt0:
-                last = ring_stage(step + steps - kt0 - 1, num_stages)
-                T.barrier_wait(sm.v_full[last], ring_phase(step + steps - kt0 - 1, num_stages))
-                if fp8:  # as in kv_step
-                    T.sync_threads(1, 256)
-                    plan.convert_kv(sm.v_ring, last, sm.v_conv, steps - 1, kv_len, True)
-                    T.fence_proxy_async()
-                    T.sync_threads(1, 256)
-                    release(sm.v_free, last, tx)
-                    T.gemm(rf.acc_p, sm.v_conv, rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
-                else:
-                    if steps * block_N > kv_len:
-                        plan.zero_v_tail(sm.v_ring, steps - 1, kv_len, last)
-                    T.gemm(rf.acc_p, sm.v_ring[last, :, :], rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
-                    release(sm.v_free, last, tx)
+                last = ring_stage(step + steps - kt0 - 1, v.depth)
+                T.barrier_wait(v.full[last], ring_phase(step + steps - kt0 - 1, v.depth))
+                if not fp8 and steps * block_N > kv_len:
+                    plan.zero_v_tail(v.ring, steps - 1, kv_len, last)
+                T.gemm(rf.acc_p, v.ring[last, :, :], rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
+                release(v.free, last, tx)
 
         @T.macro
         def store_item(gm, sm, rf, qb, q_begin: T.Ref, q0: T.Ref, head0: T.Ref, rows: T.Ref, tx):
@@ -337,7 +357,7 @@ class _ConsumerPhases:
 def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
                             use_alibi: bool, kv_layout: str, scale: float, num_ctas: int, window_left: int = -1,
                             soft_cap: float = 0.0, kv_dtype: str | None = None, block_N: int = 128,
-                            num_stages: int = 2, cluster: int = 1):
+                            num_stages: int = 2, cluster: int = 1, k_widen: int = 1, v_widen: int = 1):
     """Warp-specialized causal paged attention (module docstring), fp16/bf16, pages of >= 16 rows.
     Persistent: `num_ctas` CTAs (one per SM) pull the (tile, head group) work items from the counter in
     `Sched` (zeros at launch; the kernel leaves it zeroed), so the producer loads the next item's first K/V
@@ -348,7 +368,12 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
     loads each K / V tile once by TMA multicast into every CTA's ring, so the L2 serves a `cluster`-th of
     the K/V bytes. Rank 0 refills a stage once the consumers of all CTAs have released it (one arrival per
     consumer warp on rank 0's free barrier); the other ranks' producers only announce the bytes they
-    expect, once the stage's previous fill has landed. K and V then have a producer warp each."""
+    expect, once the stage's previous fill has landed. K and V then have a producer warp each.
+
+    An 8-bit cache (`kv_dtype`, cluster 1) is widened off the consumers' critical path: producer warps 10 (K)
+    and 11 (V) convert each landed 8-bit stage into rings of `k_widen` / `v_widen` fp16 tiles (one cvt per pair of
+    elements; bf16 would take three, through fp32), which the consumers read as they read a 16-bit cache's TMA
+    ring; both products then run on fp16 (bf16 q through an fp16 copy of its tile, made once per work item)."""
     block_M = WS_BLOCK_M
     plan = TilePlan(num_heads, num_kv_heads, head_dim, page_size, dtype, use_alibi, kv_layout, scale,
                     block_M, block_N, window_left, soft_cap, kv_dtype)
@@ -357,12 +382,15 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
     head_groups = num_heads // plan.pack
     accum = "float32"
     # The producer loads the next item's Q while the consumers work on this one, when two Q tiles fit.
-    q_stages = 2 if ws_smem_fits(2, block_N, num_stages, head_dim, kv_bits) else 1
+    assert kv_bits == 16 or cluster == 1, "an 8-bit cache's converter warps take the warp a CTA pair needs for V"
+    widen_q = kv_bits == 8 and dtype != "float16"
+    q_stages = 2 if ws_smem_fits(2, block_N, num_stages, head_dim, kv_bits, k_widen, v_widen, widen_q) else 1
     # Full tiles stage O in their Q buffer and store it by TMA, split over the 8 consumer warps.
     tma_out = plan.tokens % 8 == 0
     # A persistent grid of clusters holds only those resident at once (one CTA per SM).
     num_clusters = num_ctas if cluster == 1 else min(num_ctas // cluster, max_active_clusters(
-        cluster, WS_THREADS, ws_smem_bytes(q_stages, block_N, num_stages, head_dim, kv_bits)))
+        cluster, WS_THREADS, ws_smem_bytes(q_stages, block_N, num_stages, head_dim, kv_bits, k_widen, v_widen,
+                                           widen_q)))
     producer = _ProducerPhases(plan, num_stages, q_stages, cluster, num_clusters, head_groups).producer
     consumer = _ConsumerPhases(plan, head_dim, dtype, use_alibi, num_stages, q_stages, cluster, tma_out).consumer
 
@@ -388,16 +416,21 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             q_ring = T.alloc_shared((q_stages, block_M, head_dim), dtype)
             k_ring = T.alloc_shared((num_stages, block_N, head_dim), kv_dtype)
             v_ring = T.alloc_shared((num_stages, block_N, head_dim), kv_dtype)
-            k_conv = v_conv = None
-            # An 8-bit cache's P @ V runs on fp16 whatever q's dtype (V's cvt is one per pair of elements, P in
-            # [0, 1] keeps more bits); K takes q's dtype for the scores.
+            # An 8-bit cache's products run on fp16 whatever q's dtype (e4m3 -> fp16 is one cvt per pair of
+            # elements; P in [0, 1] keeps more bits).
             pv_dtype = "float16" if kv_bits == 8 else dtype
-            if kv_bits == 8:
-                k_conv = T.alloc_shared((block_N, head_dim), dtype)
-                v_conv = T.alloc_shared((block_N, head_dim), pv_dtype)
+            q_use = q_ring
+            if widen_q:
+                q_use = T.alloc_shared((q_stages, block_M, head_dim), "float16")
+                # No product reads q_ring then: give it the swizzled layout the scores' operand would (its TMA
+                # copies need one).
+                T.annotate_layout({q_ring: make_swizzled_layout(q_ring)})
             k_full = T.alloc_barrier([32] * num_stages)  # the K/V warp arrives, TMA bytes complete it
             v_full = T.alloc_barrier([32] * num_stages)
-            if cluster == 1:  # consumer threads arrive when done reading
+            if kv_bits == 8:  # a converter warp's threads arrive when done reading
+                k_free = T.alloc_barrier([32] * num_stages)
+                v_free = T.alloc_barrier([32] * num_stages)
+            elif cluster == 1:  # consumer threads arrive when done reading
                 k_free = T.alloc_barrier([256] * num_stages)
                 v_free = T.alloc_barrier([256] * num_stages)
             else:  # the consumer warps of every CTA of the cluster arrive (at rank 0's)
@@ -437,8 +470,14 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
 
             gm = _Global(Q, KCache, VCache, BlockTables, SeqLens, CumSeqLensQ, AlibiSlopes, KVScales, TileSeq,
                          TileQ0, Out, Lse, Sched)
-            sm = _Shared(q_ring, k_ring, v_ring, k_full, v_full, k_free, v_free, q_full, q_free, item_s, k_conv,
-                         v_conv)
+            k_use, v_use = _Ring(k_ring, k_full, k_free, num_stages), _Ring(v_ring, v_full, v_free, num_stages)
+            if kv_bits == 8:  # the widened rings: the converter warp arrives when written, the consumers when read
+                k_use = _Ring(T.alloc_shared((k_widen, block_N, head_dim), pv_dtype),
+                              T.alloc_barrier([32] * k_widen), T.alloc_barrier([256] * k_widen), k_widen)
+                v_use = _Ring(T.alloc_shared((v_widen, block_N, head_dim), pv_dtype),
+                              T.alloc_barrier([32] * v_widen), T.alloc_barrier([256] * v_widen), v_widen)
+            sm = _Shared(q_ring, k_ring, v_ring, k_full, v_full, k_free, v_free, q_full, q_free, item_s, k_use,
+                         v_use, q_use)
             rf = _Frags(acc_s, acc_p, acc_o, m_prev, m_cur, rescale, row_sum, denom, slope, kv_mult)
             if tx >= 256:  # producer warpgroup
                 producer(gm, sm, cid, rank, tx)
