@@ -124,10 +124,10 @@ _FP8_WS_SPEC = dict(num_heads=8, num_kv_heads=1, head_dim=64, page_size=32, dtyp
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", PagedAttentionPrefillTileLang.config_space(
     dict(head_dim=64, page_size=32, dtype="bfloat16", kv_dtype="float8_e4m3fn")),
-    ids=lambda c: f"s{c['num_stages']}-k{c['k_widen']}-v{c['v_widen']}")
+    ids=lambda c: f"s{c['num_stages']}-v{c['v_widen']}")
 def test_fp8_warp_specialized_configs(config, poisoned):
-    """Every ring depth the autotuner may pick for an 8-bit cache (its converter warps widen K and V into rings of
-    k_widen / v_widen tiles), on MQA with long histories (every ring wraps many times), against the golden."""
+    """Every ring depth the autotuner may pick for an 8-bit cache (its converter warps widen V into a ring of
+    v_widen tiles), on MQA with long histories (every ring wraps many times), against the golden."""
     spec, q_lens, histories = _FP8_WS_SPEC, [200, 1, 0, 77, 16], [700, 0, 5, 1300, 2000]
     op = PagedAttentionPrefillTileLang(**spec, config=config)
     batch, scales = _option_batch(spec, q_lens, histories)

@@ -130,10 +130,10 @@ class PagedAttentionPrefillTileLang(Op):
             # step, so no path reads it unwritten. The check's only finding there; it is off for this kernel.
             pass_configs["tl.disable_buffer_init_check"] = True
             if "kv_dtype" in spec:
-                # Its converter warps' loops read the 8-bit ring and write the widened one: TileLang cannot tell
-                # the two apart in the merged shared memory and puts a warp barrier before every 16-byte store
-                # (the conversion then ran 2.3x slower than the consumers). Every cross-warp hand-off of this
-                # kernel is an mbarrier or an explicit named barrier, so its inferred barriers are all off.
+                # Its converter warps' loops read the 8-bit V ring and write the widened one: TileLang cannot
+                # tell the two apart in the merged shared memory and puts a warp barrier before every 16-byte
+                # store (the conversion then fell behind the consumers). Every cross-warp hand-off of this kernel
+                # is an mbarrier or an explicit named barrier, so its inferred barriers are all off.
                 pass_configs["tl.disable_thread_storage_sync"] = True
         return pass_configs
 

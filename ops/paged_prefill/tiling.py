@@ -21,18 +21,19 @@ WS_THREADS = 384  # producer warpgroup + 2 consumer warpgroups
 
 
 def ws_smem_bytes(q_tiles: int, block_N: int, num_stages: int, head_dim: int, kv_bits: int = 16,
-                  k_widen: int = 1, v_widen: int = 1, widen_q: bool = False) -> int:
+                  v_widen: int = 1) -> int:
     """Shared memory of the warp-specialized kernel's Q tiles (16-bit) and K / V rings (`kv_bits`); an
-    8-bit cache adds the rings of `k_widen` K and `v_widen` V fp16 tiles that its converter warps widen the
-    stages into and, with bf16 q (`widen_q`), an fp16 copy of each Q tile."""
-    kv = 2 * num_stages * block_N * kv_bits // 8 + ((k_widen + v_widen) * block_N * 2 if kv_bits == 8 else 0)
-    return (q_tiles * WS_BLOCK_M * 2 * (2 if widen_q else 1) + kv) * head_dim
+    8-bit cache adds each Q tile's two e4m3 terms and the ring of `v_widen` fp16 V tiles its converter warps
+    widen the V stages into."""
+    q = q_tiles * WS_BLOCK_M * (4 if kv_bits == 8 else 2)
+    kv = 2 * num_stages * block_N * kv_bits // 8 + (v_widen * block_N * 2 if kv_bits == 8 else 0)
+    return (q + kv) * head_dim
 
 
 def ws_smem_fits(q_tiles: int, block_N: int, num_stages: int, head_dim: int, kv_bits: int = 16,
-                 k_widen: int = 1, v_widen: int = 1, widen_q: bool = False) -> bool:
+                 v_widen: int = 1) -> bool:
     """Whether they fit the shared memory a CTA may use (barriers and alignment aside: under 1 KB)."""
-    return ws_smem_bytes(q_tiles, block_N, num_stages, head_dim, kv_bits, k_widen, v_widen, widen_q) <= SMEM_BUDGET
+    return ws_smem_bytes(q_tiles, block_N, num_stages, head_dim, kv_bits, v_widen) <= SMEM_BUDGET
 
 
 def head_pack(num_heads: int, num_kv_heads: int, block_M: int) -> int:
@@ -53,21 +54,20 @@ def warp_specialized(dtype: str, page_size: int) -> bool:
     return dtype != "float32" and page_size >= WS_PAGES_FROM
 
 
-# An 8-bit cache's ring depths (8-bit stages, widened K, widened V), by preference: V's widened ring is the one
-# to deepen first (H200, bench (b): a single one left the consumers waiting for its conversion each step, 4.5% slower)
-_WIDEN_DEPTHS = ((2, 1, 2), (2, 1, 1), (1, 1, 1))
+# An 8-bit cache's ring depths (8-bit stages, widened V), by preference (H200, bench (b), page 16 / 64: 2 and 2
+# 2.04 / 2.02 ms, 2 and 1 2.14 / 2.14, 3 and 2 2.20 / 2.09, 2 and 3 2.23 / 2.05).
+_WIDEN_DEPTHS = ((2, 2), (2, 1), (1, 1))
 
 
 def default_config(head_dim: int, dtype: str, page_size: int, kv_bits: int = 16) -> dict:
     """Tiles that fit shared memory (Q, plus K and V per pipeline stage) and registers. An 8-bit cache on the
-    warp-specialized kernel adds the depths of its widened rings (`k_widen`, `v_widen`) and runs without CTA pairs (the
+    warp-specialized kernel adds the depth of its widened V ring (`v_widen`) and runs without CTA pairs (the
     producer warp a pair would take for V widens the stages instead)."""
     if warp_specialized(dtype, page_size):  # Q + 2 stages of K and V: 160 KB, 192 KB at head_dim 256
         block_N = 64 if head_dim == 256 else 128
-        if kv_bits == 8:  # the deepest rings that fit beside one Q tile (224 KB at head_dim 128 with bf16 q)
-            stages, k, v = next(c for c in _WIDEN_DEPTHS
-                                if ws_smem_fits(1, block_N, *c[:1], head_dim, 8, *c[1:], dtype == "bfloat16"))
-            return {"block_N": block_N, "num_stages": stages, "cluster": 1, "k_widen": k, "v_widen": v}
+        if kv_bits == 8:  # the deepest rings that fit beside one Q tile (192 KB at head_dim 128)
+            stages, v = next(c for c in _WIDEN_DEPTHS if ws_smem_fits(1, block_N, c[0], head_dim, 8, c[1]))
+            return {"block_N": block_N, "num_stages": stages, "cluster": 1, "v_widen": v}
         return {"block_N": block_N, "num_stages": 2, "cluster": 2 if page_size >= MULTICAST_PAGES_FROM else 1}
     # Whole-page (TMA) loads run two stages; the row gathers of smaller pages do not lower with two.
     stages = 2 if page_size >= PAGE_LOADS_FROM else 1
@@ -83,8 +83,8 @@ def config_space(head_dim: int, dtype: str, page_size: int, kv_bits: int = 16) -
     if warp_specialized(dtype, page_size):
         if kv_bits == 8:  # the default's tile; the 8-bit and the widened rings' depths within shared memory
             n = default_config(head_dim, dtype, page_size, kv_bits)["block_N"]
-            return [{"block_N": n, "num_stages": s, "cluster": 1, "k_widen": k, "v_widen": v} for s in (1, 2)
-                    for k in (1, 2) for v in (1, 2) if ws_smem_fits(1, n, s, head_dim, 8, k, v, dtype == "bfloat16")]
+            return [{"block_N": n, "num_stages": s, "cluster": 1, "v_widen": v} for s in (1, 2, 3) for v in (1, 2, 3)
+                    if ws_smem_fits(1, n, s, head_dim, 8, v)]
         # Q plus num_stages x (K and V tiles) within shared memory.
         return [{"block_N": n, "num_stages": s, "cluster": c} for n in (64, 128) for s in (2, 3) for c in (1, 2)
                 if ws_smem_fits(1, n, s, head_dim)]

@@ -109,16 +109,18 @@ class TilePlan:
                 slope[i] = AlibiSlopes[head0 + i % pack] / unit
         self.load_slopes = load_slopes
 
-        def score(x, k_mult):
-            # A raw score of the tile: q . k of the stored (8-bit: times k_scale) K, soft-capped.
-            x = x * k_mult if self.fp8 else x
+        def score(x, k_mult, i):
+            # A raw score of the tile: q . k of the stored (8-bit: times k_scale, or row i's `k_mult(i)`) K,
+            # soft-capped.
+            if self.fp8:
+                x = x * (k_mult(i) if callable(k_mult) else k_mult)
             return soft_cap * T.tanh(x * (scale / soft_cap)) if self.capped else x
 
         @T.macro
         def map_scores(acc_s, k_mult):
             # k_scale and the soft cap alone, on a tile that needs no mask.
             for i, j in T.Parallel(block_M, block_N):
-                acc_s[i, j] = score(acc_s[i, j], k_mult)
+                acc_s[i, j] = score(acc_s[i, j], k_mult, i)
 
         @T.macro
         def mask_scores(acc_s, slope, kt, pos0, k_mult=None):
@@ -127,7 +129,7 @@ class TilePlan:
             # then stays finite and the next tile's rescale, exp2(NEG - m) = 0, clears what it summed).
             for i, j in T.Parallel(block_M, block_N):
                 rel = kt * block_N + j - (pos0 + i // pack)  # t - p: visible if -window_left <= rel <= 0
-                x = score(acc_s[i, j], k_mult)
+                x = score(acc_s[i, j], k_mult, i)
                 if use_alibi:
                     x = x + slope[i] * rel
                 if window_left >= 0:
@@ -177,32 +179,69 @@ class TilePlan:
         self.zero_v_tail = zero_v_tail
 
         @T.macro
-        def convert_kv(ring, st, dst, ds, kt, kv_len, zero_tail, lane):
-            # One warp widens stage st of an 8-bit K / V ring into stage ds of the 16-bit ring `dst` (exact:
-            # e4m3 values fit fp16 / bf16; to fp16 one cvt per pair of elements, to bf16 through fp32), 8 bytes
-            # per lane a round; with `zero_tail`, rows past the sequence end as 0 (they may hold NaN). The
-            # loads of `batch` rounds go first: the compiler cannot move a shared load above an earlier shared
-            # store (both rings are one allocation to it), so a round at a time would serialize on latency.
-            to = str(dst.dtype)
+        def widen_v(ring, st, dst, ds, kt, kv_len, lane):
+            # 64 threads (`lane`) widen stage st of an 8-bit V ring into stage ds of the fp16 ring `dst` (exact:
+            # e4m3 values fit fp16; one cvt per pair of elements), 8 bytes per thread a round, rows past the
+            # sequence end as 0 (they may hold NaN). The loads of `batch` rounds go first: the compiler cannot
+            # move a shared load above an earlier shared store (the rings are one allocation to it), so a round
+            # at a time would serialize on latency.
             vec, batch = 8, 4
-            rounds = block_N * head_dim // (32 * vec)
+            rounds = block_N * head_dim // (64 * vec)
             raw = T.alloc_local((batch, vec), ring.dtype)
             for b in T.serial(rounds // batch):
                 for u in T.unroll(batch):
-                    e0 = ((b * batch + u) * 32 + lane) * vec
+                    e0 = ((b * batch + u) * 64 + lane) * vec
                     for e in T.vectorized(vec):
                         raw[u, e] = ring[st, e0 // head_dim, e0 % head_dim + e]
                 for u in T.unroll(batch):
-                    e0 = ((b * batch + u) * 32 + lane) * vec
+                    e0 = ((b * batch + u) * 64 + lane) * vec
                     j = e0 // head_dim
                     for e in T.vectorized(vec):
-                        x = T.cast(raw[u, e], to) if to == "float16" else T.cast(T.cast(raw[u, e], accum), to)
-                        if zero_tail:
-                            dst[ds, j, e0 % head_dim + e] = T.if_then_else(kt * block_N + j < kv_len, x,
-                                                                             T.cast(0, to))
-                        else:
-                            dst[ds, j, e0 % head_dim + e] = x
-        self.convert_kv = convert_kv
+                        dst[ds, j, e0 % head_dim + e] = T.if_then_else(
+                            kt * block_N + j < kv_len, T.cast(raw[u, e], "float16"), T.cast(0, "float16"))
+        self.widen_v = widen_v
+
+        @T.macro
+        def split_q(q_ring, qb, q_hi, q_lo, scale_s, q_mult, k_mult, tx):
+            # Q tile qb as two e4m3 terms for the FP8 scores, by the 256 consumer threads (`tx`), two per row:
+            # each row scaled by a power of two s that puts its largest |q| in [128, 256), hi = e4m3(q / s),
+            # lo = e4m3(q / s - hi); q = s (hi + lo) exactly for a bf16 q wherever |q / s| >= 2 (hi keeps 4 of
+            # its 8 significant bits, lo the other 4), within 2^-10 s below (lo's subnormals: 2^-17 of the
+            # row's largest); an fp16 q keeps 8 of its 11 bits. Two FP8 products then cost one 16-bit one.
+            # q_mult[i] = s_i * k_scale, through `scale_s` (shared, one per row).
+            half = head_dim // 2
+            row, c0 = tx // 2, tx % 2 * half
+            m = T.alloc_var(accum)
+            v = T.alloc_local((8,), q_ring.dtype)
+            m = 0.0
+            for c in T.serial(half // 8):
+                for e in T.vectorized(8):
+                    v[e] = q_ring[qb, row, c0 + c * 8 + e]
+                for e in T.unroll(8):
+                    m = T.max(m, T.abs(T.cast(v[e], accum)))
+            m = T.max(m, T.shfl_xor(m, 1))
+            # m's biased exponent ex (at least 7: a row of zeros gets any finite scale): 1 / s = 2^(134 - ex)
+            ex = T.max(T.shift_right(T.reinterpret(m, "int32"), 23), 7)
+            inv = T.reinterpret(T.shift_left(261 - ex, 23), "float32")
+            hi = T.alloc_local((8,), "float8_e4m3fn")
+            lo = T.alloc_local((8,), "float8_e4m3fn")
+            for c in T.serial(half // 8):
+                for e in T.vectorized(8):
+                    v[e] = q_ring[qb, row, c0 + c * 8 + e]
+                for e in T.unroll(8):
+                    x = T.cast(v[e], accum) * inv  # exact
+                    hi[e] = T.cast(x, "float8_e4m3fn")
+                    lo[e] = T.cast(x - T.cast(hi[e], accum), "float8_e4m3fn")
+                for e in T.vectorized(8):
+                    q_hi[qb, row, c0 + c * 8 + e] = hi[e]
+                for e in T.vectorized(8):
+                    q_lo[qb, row, c0 + c * 8 + e] = lo[e]
+            if tx % 2 == 0:
+                scale_s[row] = T.reinterpret(T.shift_left(ex - 7, 23), "float32")  # s = 2^(ex - 134)
+            T.sync_threads(1, 256)
+            for i in T.Parallel(block_M):
+                q_mult[i] = scale_s[i] * k_mult
+        self.split_q = split_q
 
         @T.macro
         def store_out_tma(Out, ring, qb, q_begin, q0, head0, warp, warps):

@@ -16,9 +16,9 @@ From 32-row pages, CTA pairs (clusters) take two adjacent query tiles of one hea
 K / V tile: rank 0 multicasts it into both CTAs' rings, halving the L2 reads. On an H200 this kernel runs
 at the board's power cap, and the saved energy buys clock (1545 -> 1630 MHz at 4x4k).
 
-An 8-bit (FP8) cache is widened to fp16 by the producer warpgroup's two other warps, one for K and one for V,
-into rings of their own that the consumers read as they read a 16-bit cache's: the conversion stays off the
-consumers' critical path (converting in the consumers, between two barriers of theirs each step, was 12% slower).
+An 8-bit (FP8) cache: the scores run on FP8 tensor cores from K as stored, the Q tile split into two e4m3 terms
+per item (as exact as bf16 q); V is widened to fp16 by the producer warpgroup's two other warps into a ring of
+its own, off the consumers' critical path, for an fp16 P @ V.
 """
 
 from collections import namedtuple
@@ -43,14 +43,15 @@ _KVStream = namedtuple("_KVStream", "cache ring free full")
 # `T.Ref` arguments: a var read through a tuple would not load.)
 _Global = namedtuple("_Global", "Q KCache VCache BlockTables SeqLens CumSeqLensQ AlibiSlopes KVScales TileSeq "
                                  "TileQ0 Out Lse Sched")
-# The rings the consumers read K and V from: the TMA rings of a 16-bit cache, or the widened rings an 8-bit
-# cache's converter warps fill (`conv`: ring, full / free mbarriers, depth).
+# The rings the consumers read K and V from (ring, full / free mbarriers, depth): the TMA rings, or for an 8-bit
+# cache's V the fp16 ring its converter warps fill.
 _Ring = namedtuple("_Ring", "ring full free depth")
-# q_use: the Q tiles the scores read (q_ring, or its fp16 copies beside an 8-bit cache's fp16 K).
+# q_use: the Q tiles the scores read (q_ring, or with an 8-bit cache its two e4m3 terms, see TilePlan.split_q).
 _Shared = namedtuple("_Shared", "q_ring k_ring v_ring k_full v_full k_free v_free q_full q_free item_s k_use v_use "
                                 "q_use")
-# kv_mult: [k_scale, v_scale] of an 8-bit cache, in registers.
-_Frags = namedtuple("_Frags", "acc_s acc_p acc_o m_prev m_cur rescale row_sum denom slope kv_mult")
+# kv_mult: [k_scale, v_scale] of an 8-bit cache, in registers; q_split: the split's row scales (shared),
+# q_mult: each row's score multiplier (that scale times k_scale).
+_Frags = namedtuple("_Frags", "acc_s acc_p acc_o m_prev m_cur rescale row_sum denom slope kv_mult q_split q_mult")
 
 
 def ring_stage(i, depth):
@@ -156,10 +157,10 @@ class _ProducerPhases:
                 w = w + 1
 
         @T.macro
-        def widen(src, dst, q_full, item_s, zero_tail):
-            # A converter warp of an 8-bit cache: every KV step's stage of `src` (_KVStream) widened into the
-            # next buffer of `dst` (_Ring) for the consumers' 16-bit products, off their critical path; V's
-            # rows past the sequence end as 0 (`zero_tail`: they may hold NaN, and 0 * NaN is not 0).
+        def widen(src, dst, q_full, item_s, lane):
+            # The two converter warps of an 8-bit cache (`lane` 0-63): every KV step's V stage (`src`,
+            # _KVStream) widened into the next buffer of `dst` (_Ring) for the consumers' fp16 P @ V, off their
+            # critical path; rows past the sequence end as 0 (they may hold NaN, and 0 * NaN is not 0).
             step = T.alloc_var("int32", init=0)
             w = T.alloc_var("int32", init=0)
             more = T.alloc_var("int32", init=1)
@@ -175,7 +176,7 @@ class _ProducerPhases:
                     cs = ring_stage(step, dst.depth)
                     T.barrier_wait(src.full[st], ring_phase(step, num_stages))
                     T.barrier_wait(dst.free[cs], ring_phase(step, dst.depth) ^ 1)
-                    plan.convert_kv(src.ring, st, dst.ring, cs, kt, kv_len_p, zero_tail, T.get_thread_binding() % 32)
+                    plan.widen_v(src.ring, st, dst.ring, cs, kt, kv_len_p, lane)
                     T.fence_proxy_async()  # the shared stores, before the products (async proxy) read them
                     T.barrier_arrive(src.free[st])
                     T.barrier_arrive(dst.full[cs])
@@ -218,13 +219,11 @@ class _ProducerPhases:
                     issue_q(gm, sm, rank, tx, w, work)
                     w = w + 1
                 finish(gm, rank, tx, spin)
+            elif plan.fp8:  # warps 10 and 11: V widened
+                widen(v_stream, sm.v_use, sm.q_full, sm.item_s, tx - WS_Q_WARP * 32 - 32)
             elif tx < WS_Q_WARP * 32 + 64:
                 if cluster > 1:  # warp 10: V
                     kv_rings([v_stream], sm.q_full, gm.BlockTables, sm.item_s, rank)
-                elif plan.fp8:  # warp 10: K widened
-                    widen(k_stream, sm.k_use, sm.q_full, sm.item_s, False)
-            elif plan.fp8:  # warp 11: V widened
-                widen(v_stream, sm.v_use, sm.q_full, sm.item_s, True)
 
         self.producer = producer
 
@@ -236,8 +235,7 @@ class _ConsumerPhases:
     def __init__(self, plan: TilePlan, head_dim: int, dtype: str, use_alibi: bool, num_stages: int,
                  q_stages: int, cluster: int, tma_out: bool):
         block_M, block_N, accum = WS_BLOCK_M, plan.block_N, "float32"
-        fp8 = plan.fp8  # 8-bit stages, widened by converter warps for the 16-bit products
-        widen_q = fp8 and dtype != "float16"
+        fp8 = plan.fp8  # scores on FP8 from K as stored (q split in two e4m3 terms), V widened to fp16
 
         @T.macro
         def release(free, st, tx):
@@ -250,7 +248,7 @@ class _ConsumerPhases:
 
         @T.macro
         def begin_item(gm, sm, rf, qb, w, last: T.Ref, kt0: T.Ref, steps: T.Ref, kv_len: T.Ref, pos0: T.Ref,
-                       q_begin: T.Ref, q0: T.Ref, head0: T.Ref, rows: T.Ref):
+                       q_begin: T.Ref, q0: T.Ref, head0: T.Ref, rows: T.Ref, tx):
             # Fresh accumulators, then the item's Q tile and scalars from the Q warp.
             T.fill(rf.acc_o, 0)
             T.fill(rf.denom, 0)
@@ -265,9 +263,8 @@ class _ConsumerPhases:
             q0 = sm.item_s[qb, _Q0]
             head0 = sm.item_s[qb, _HEAD0]
             rows = sm.item_s[qb, _ROWS]
-            if widen_q:  # bf16 q beside fp16 K: its fp16 copy (exact for |q| in [2^-14, 65504])
-                for i, d in T.Parallel(block_M, head_dim):
-                    sm.q_use[qb, i, d] = T.cast(sm.q_ring[qb, i, d], "float16")
+            if fp8:
+                plan.split_q(sm.q_ring, qb, sm.q_use[0], sm.q_use[1], rf.q_split, rf.q_mult, rf.kv_mult[0], tx)
                 T.fence_proxy_async()  # the shared stores, before the products (async proxy) read them
                 T.sync_threads(1, 256)
             if use_alibi:
@@ -284,8 +281,9 @@ class _ConsumerPhases:
             st = ring_stage(step + i, k.depth)
             prev = ring_stage(step + i - 1, v.depth)
             T.barrier_wait(k.full[st], ring_phase(step + i, k.depth))
-            T.wgmma_gemm(sm.q_use[qb, :, :], k.ring[st, :, :], rf.acc_s, transpose_B=True,
-                         clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+            for q, q_tile in enumerate(sm.q_use):  # bf16 / fp16 q, or its two e4m3 terms
+                T.wgmma_gemm(q_tile[qb, :, :], k.ring[st, :, :], rf.acc_s, transpose_B=True,
+                             clear_accum=q == 0, policy=T.GemmWarpPolicy.FullRow)
             if i > 0:
                 T.barrier_wait(v.full[prev], ring_phase(step + i - 1, v.depth))
                 T.wgmma_gemm(rf.acc_p, v.ring[prev, :, :], rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
@@ -293,7 +291,7 @@ class _ConsumerPhases:
             else:
                 T.wait_wgmma(0)
             release(k.free, st, tx)
-            plan.shape_scores(rf.acc_s, rf.slope, kt, pos0, rf.kv_mult[0])
+            plan.shape_scores(rf.acc_s, rf.slope, kt, pos0, (lambda i: rf.q_mult[i]) if fp8 else None)
             plan.softmax_step(rf.acc_s, rf.m_cur, rf.m_prev, rf.rescale, rf.row_sum, rf.denom)
             T.wait_wgmma(0)
             if i > 0:
@@ -343,7 +341,7 @@ class _ConsumerPhases:
             last = 0
             while last == 0:
                 qb = ring_stage(w, q_stages)
-                begin_item(gm, sm, rf, qb, w, last, kt0, steps, kv_len, pos0, q_begin, q0, head0, rows)
+                begin_item(gm, sm, rf, qb, w, last, kt0, steps, kv_len, pos0, q_begin, q0, head0, rows, tx)
                 for i in T.serial(steps - kt0):
                     kv_step(gm, sm, rf, qb, i, kt0, step, pos0, kv_len, tx)
                 last_pv(gm, sm, rf, step, kt0, steps, kv_len, tx)
@@ -357,7 +355,7 @@ class _ConsumerPhases:
 def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
                             use_alibi: bool, kv_layout: str, scale: float, num_ctas: int, window_left: int = -1,
                             soft_cap: float = 0.0, kv_dtype: str | None = None, block_N: int = 128,
-                            num_stages: int = 2, cluster: int = 1, k_widen: int = 1, v_widen: int = 1):
+                            num_stages: int = 2, cluster: int = 1, v_widen: int = 1):
     """Warp-specialized causal paged attention (module docstring), fp16/bf16, pages of >= 16 rows.
     Persistent: `num_ctas` CTAs (one per SM) pull the (tile, head group) work items from the counter in
     `Sched` (zeros at launch; the kernel leaves it zeroed), so the producer loads the next item's first K/V
@@ -370,10 +368,10 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
     consumer warp on rank 0's free barrier); the other ranks' producers only announce the bytes they
     expect, once the stage's previous fill has landed. K and V then have a producer warp each.
 
-    An 8-bit cache (`kv_dtype`, cluster 1) is widened off the consumers' critical path: producer warps 10 (K)
-    and 11 (V) convert each landed 8-bit stage into rings of `k_widen` / `v_widen` fp16 tiles (one cvt per pair of
-    elements; bf16 would take three, through fp32), which the consumers read as they read a 16-bit cache's TMA
-    ring; both products then run on fp16 (bf16 q through an fp16 copy of its tile, made once per work item)."""
+    An 8-bit cache (`kv_dtype`, cluster 1): the scores run on FP8 tensor cores from K's TMA ring as stored, with
+    each Q tile split once per item into two e4m3 terms (TilePlan.split_q); producer warps 10 and 11 widen
+    each landed V stage to fp16 (one cvt per pair of elements) into a ring of `v_widen` tiles, off the consumers'
+    critical path, for an fp16 P @ V."""
     block_M = WS_BLOCK_M
     plan = TilePlan(num_heads, num_kv_heads, head_dim, page_size, dtype, use_alibi, kv_layout, scale,
                     block_M, block_N, window_left, soft_cap, kv_dtype)
@@ -383,14 +381,12 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
     accum = "float32"
     # The producer loads the next item's Q while the consumers work on this one, when two Q tiles fit.
     assert kv_bits == 16 or cluster == 1, "an 8-bit cache's converter warps take the warp a CTA pair needs for V"
-    widen_q = kv_bits == 8 and dtype != "float16"
-    q_stages = 2 if ws_smem_fits(2, block_N, num_stages, head_dim, kv_bits, k_widen, v_widen, widen_q) else 1
+    q_stages = 2 if ws_smem_fits(2, block_N, num_stages, head_dim, kv_bits, v_widen) else 1
     # Full tiles stage O in their Q buffer and store it by TMA, split over the 8 consumer warps.
     tma_out = plan.tokens % 8 == 0
     # A persistent grid of clusters holds only those resident at once (one CTA per SM).
     num_clusters = num_ctas if cluster == 1 else min(num_ctas // cluster, max_active_clusters(
-        cluster, WS_THREADS, ws_smem_bytes(q_stages, block_N, num_stages, head_dim, kv_bits, k_widen, v_widen,
-                                           widen_q)))
+        cluster, WS_THREADS, ws_smem_bytes(q_stages, block_N, num_stages, head_dim, kv_bits, v_widen)))
     producer = _ProducerPhases(plan, num_stages, q_stages, cluster, num_clusters, head_groups).producer
     consumer = _ConsumerPhases(plan, head_dim, dtype, use_alibi, num_stages, q_stages, cluster, tma_out).consumer
 
@@ -416,20 +412,23 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             q_ring = T.alloc_shared((q_stages, block_M, head_dim), dtype)
             k_ring = T.alloc_shared((num_stages, block_N, head_dim), kv_dtype)
             v_ring = T.alloc_shared((num_stages, block_N, head_dim), kv_dtype)
-            # An 8-bit cache's products run on fp16 whatever q's dtype (e4m3 -> fp16 is one cvt per pair of
+            # An 8-bit cache's P @ V runs on fp16 whatever q's dtype (e4m3 -> fp16 is one cvt per pair of
             # elements; P in [0, 1] keeps more bits).
             pv_dtype = "float16" if kv_bits == 8 else dtype
-            q_use = q_ring
-            if widen_q:
-                q_use = T.alloc_shared((q_stages, block_M, head_dim), "float16")
+            q_use = [q_ring]
+            q_split = q_mult = None
+            if kv_bits == 8:
+                q_use = [T.alloc_shared((q_stages, block_M, head_dim), kv_dtype) for _ in range(2)]
+                q_split = T.alloc_shared((block_M,), accum)
+                q_mult = T.alloc_fragment((block_M,), accum)
                 # No product reads q_ring then: give it the swizzled layout the scores' operand would (its TMA
                 # copies need one).
                 T.annotate_layout({q_ring: make_swizzled_layout(q_ring)})
             k_full = T.alloc_barrier([32] * num_stages)  # the K/V warp arrives, TMA bytes complete it
             v_full = T.alloc_barrier([32] * num_stages)
-            if kv_bits == 8:  # a converter warp's threads arrive when done reading
-                k_free = T.alloc_barrier([32] * num_stages)
-                v_free = T.alloc_barrier([32] * num_stages)
+            if kv_bits == 8:  # V: the two converter warps' threads arrive when done reading
+                k_free = T.alloc_barrier([256] * num_stages)
+                v_free = T.alloc_barrier([64] * num_stages)
             elif cluster == 1:  # consumer threads arrive when done reading
                 k_free = T.alloc_barrier([256] * num_stages)
                 v_free = T.alloc_barrier([256] * num_stages)
@@ -471,14 +470,12 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             gm = _Global(Q, KCache, VCache, BlockTables, SeqLens, CumSeqLensQ, AlibiSlopes, KVScales, TileSeq,
                          TileQ0, Out, Lse, Sched)
             k_use, v_use = _Ring(k_ring, k_full, k_free, num_stages), _Ring(v_ring, v_full, v_free, num_stages)
-            if kv_bits == 8:  # the widened rings: the converter warp arrives when written, the consumers when read
-                k_use = _Ring(T.alloc_shared((k_widen, block_N, head_dim), pv_dtype),
-                              T.alloc_barrier([32] * k_widen), T.alloc_barrier([256] * k_widen), k_widen)
+            if kv_bits == 8:  # V's widened ring: the converter warps arrive when written, the consumers when read
                 v_use = _Ring(T.alloc_shared((v_widen, block_N, head_dim), pv_dtype),
-                              T.alloc_barrier([32] * v_widen), T.alloc_barrier([256] * v_widen), v_widen)
+                              T.alloc_barrier([64] * v_widen), T.alloc_barrier([256] * v_widen), v_widen)
             sm = _Shared(q_ring, k_ring, v_ring, k_full, v_full, k_free, v_free, q_full, q_free, item_s, k_use,
                          v_use, q_use)
-            rf = _Frags(acc_s, acc_p, acc_o, m_prev, m_cur, rescale, row_sum, denom, slope, kv_mult)
+            rf = _Frags(acc_s, acc_p, acc_o, m_prev, m_cur, rescale, row_sum, denom, slope, kv_mult, q_split, q_mult)
             if tx >= 256:  # producer warpgroup
                 producer(gm, sm, cid, rank, tx)
             else:  # consumer warpgroups
