@@ -11,8 +11,8 @@ import torch
 from golden.paged_prefill import paged_attention_prefill
 import ops.paged_prefill.prefill as prefill_module
 from ops.common.hw import TL_DTYPES
-from ops.common.runtime import compile_kernels
 from ops.common.protocol import op_class
+from ops.common.runtime import compile_kernels
 from ops.paged_prefill import PagedAttentionPrefillTileLang
 from ops.paged_prefill import paged_attention_prefill as paged_attention_prefill_op
 from ops.paged_prefill.custom_ops import _spec as custom_op_spec
@@ -498,7 +498,7 @@ def test_fp8_ws_config_space_builds():
     assert {c["cluster"] for c in space} == {1}
     kernels = compile_kernels(*(paged_prefill_kernel(**op_spec, **c) for c in space),
                               pass_configs=PagedAttentionPrefillTileLang.tunable_pass_configs(op_spec))
-    for config, kernel in zip(space, kernels):
+    for kernel in kernels:
         source = kernel.get_kernel_source()
         assert "__tl_cvt_fp8x2_to_half2" in source and source.count("kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 2
     with pytest.raises(ValueError, match=r"config\['cluster'\]: expected 1"):

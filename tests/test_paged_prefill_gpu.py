@@ -139,6 +139,33 @@ def test_fp8_warp_specialized_configs(config, poisoned):
 
 
 @pytest.mark.gpu
+def test_fp8_scores_split_bf16_q_exactly(poisoned):
+    """The FP8 scores split each bf16 Q row into two e4m3 terms under a power-of-two scale from the row's largest
+    |q| (exact): rows of zeros, rows scaled by 100 and 1e-4, rows of exact powers of two (on the scale's
+    boundaries), a row whose other entries are 2^-20 of its largest, against the golden on the same q. (An fp16 q
+    keeps 8 of its 11 bits: the option cases cover it at ordinary magnitudes; rows scaled by 100 miss fp16's
+    tolerance.)"""
+    spec, dtype = _FP8_WS_SPEC, torch.bfloat16
+    op = PagedAttentionPrefillTileLang(**spec)
+    batch, scales = _option_batch(spec, [130, 7], [300, 40])
+    q = batch["q"].float()
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    q[0] = 0
+    q[1] *= 100
+    q[2] *= 1e-4
+    q[3] = 2.0 ** torch.randint(-6, 9, q[3].shape, generator=gen).float().to(q.device)
+    q[4] = q[4].sign() * 2.0 ** -20
+    q[4, :, 0] = 3.0
+    q[131] = 0
+    batch["q"] = q.to(dtype)
+    want, _ = _golden(spec, batch, scales)
+    with poisoned():
+        got = op(**batch, **scales)
+    tol = TOL[dtype] * 2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
 def test_schedule_orders_tiles_by_work():
     """Every query tile exactly once, by non-increasing KV work (history + first row), spare tiles last."""
     gen = torch.Generator().manual_seed(3)
