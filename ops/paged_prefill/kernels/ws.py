@@ -43,15 +43,14 @@ _KVStream = namedtuple("_KVStream", "cache ring free full")
 # `T.Ref` arguments: a var read through a tuple would not load.)
 _Global = namedtuple("_Global", "Q KCache VCache BlockTables SeqLens CumSeqLensQ AlibiSlopes KVScales TileSeq "
                                  "TileQ0 Out Lse Sched")
-# The rings the consumers read K and V from (ring, full / free mbarriers, depth): the TMA rings, or for an 8-bit
-# cache's V the fp16 ring its converter warps fill.
+# The ring the consumers read V from (ring, full / free mbarriers, depth): V's TMA ring, or for an 8-bit cache the
+# fp16 ring its converter warps fill.
 _Ring = namedtuple("_Ring", "ring full free depth")
 # q_use: the Q tiles the scores read (q_ring, or with an 8-bit cache its two e4m3 terms, see TilePlan.split_q).
-_Shared = namedtuple("_Shared", "q_ring k_ring v_ring k_full v_full k_free v_free q_full q_free item_s k_use v_use "
-                                "q_use")
-# kv_mult: [k_scale, v_scale] of an 8-bit cache, in registers; q_split: the split's row scales (shared),
+_Shared = namedtuple("_Shared", "q_ring k_ring v_ring k_full v_full k_free v_free q_full q_free item_s v_use q_use")
+# kv_mult: [k_scale, v_scale] of an 8-bit cache, in registers; q_scales: the q split's row scales (shared),
 # q_mult: each row's score multiplier (that scale times k_scale).
-_Frags = namedtuple("_Frags", "acc_s acc_p acc_o m_prev m_cur rescale row_sum denom slope kv_mult q_split q_mult")
+_Frags = namedtuple("_Frags", "acc_s acc_p acc_o m_prev m_cur rescale row_sum denom slope kv_mult q_scales q_mult")
 
 
 def ring_stage(i, depth):
@@ -264,7 +263,7 @@ class _ConsumerPhases:
             head0 = sm.item_s[qb, _HEAD0]
             rows = sm.item_s[qb, _ROWS]
             if fp8:
-                plan.split_q(sm.q_ring, qb, sm.q_use[0], sm.q_use[1], rf.q_split, rf.q_mult, rf.kv_mult[0], tx)
+                plan.split_q(sm.q_ring, qb, sm.q_use[0], sm.q_use[1], rf.q_scales, rf.q_mult, rf.kv_mult[0], tx)
                 T.fence_proxy_async()  # the shared stores, before the products (async proxy) read them
                 T.sync_threads(1, 256)
             if use_alibi:
@@ -274,15 +273,15 @@ class _ConsumerPhases:
         def kv_step(gm, sm, rf, qb, i, kt0: T.Ref, step: T.Ref, pos0: T.Ref, kv_len: T.Ref, tx):
             # Scores of the item's i-th step (KV tile kt0 + i), then P @ V of step i-1 behind them: the
             # softmax below runs while the tensor cores finish that product. acc_p, which that product
-            # reads, was written by step i-1 (step 0 issues no P @ V). K and V come from the TMA rings, or
-            # for an 8-bit cache from the rings its converter warps widen them into.
-            k, v = sm.k_use, sm.v_use
+            # reads, was written by step i-1 (step 0 issues no P @ V). K comes from its TMA ring (as stored, an
+            # 8-bit cache's too), V from `sm.v_use`.
+            v = sm.v_use
             kt = kt0 + i
-            st = ring_stage(step + i, k.depth)
+            st = ring_stage(step + i, num_stages)
             prev = ring_stage(step + i - 1, v.depth)
-            T.barrier_wait(k.full[st], ring_phase(step + i, k.depth))
+            T.barrier_wait(sm.k_full[st], ring_phase(step + i, num_stages))
             for q, q_tile in enumerate(sm.q_use):  # bf16 / fp16 q, or its two e4m3 terms
-                T.wgmma_gemm(q_tile[qb, :, :], k.ring[st, :, :], rf.acc_s, transpose_B=True,
+                T.wgmma_gemm(q_tile[qb, :, :], sm.k_ring[st, :, :], rf.acc_s, transpose_B=True,
                              clear_accum=q == 0, policy=T.GemmWarpPolicy.FullRow)
             if i > 0:
                 T.barrier_wait(v.full[prev], ring_phase(step + i - 1, v.depth))
@@ -290,7 +289,7 @@ class _ConsumerPhases:
                 T.wait_wgmma(1)
             else:
                 T.wait_wgmma(0)
-            release(k.free, st, tx)
+            release(sm.k_free, st, tx)
             plan.shape_scores(rf.acc_s, rf.slope, kt, pos0, (lambda i: rf.q_mult[i]) if fp8 else None)
             plan.softmax_step(rf.acc_s, rf.m_cur, rf.m_prev, rf.rescale, rf.row_sum, rf.denom)
             T.wait_wgmma(0)
@@ -416,10 +415,10 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             # elements; P in [0, 1] keeps more bits).
             pv_dtype = "float16" if kv_bits == 8 else dtype
             q_use = [q_ring]
-            q_split = q_mult = None
+            q_scales = q_mult = None
             if kv_bits == 8:
                 q_use = [T.alloc_shared((q_stages, block_M, head_dim), kv_dtype) for _ in range(2)]
-                q_split = T.alloc_shared((block_M,), accum)
+                q_scales = T.alloc_shared((block_M,), accum)
                 q_mult = T.alloc_fragment((block_M,), accum)
                 # No product reads q_ring then: give it the swizzled layout the scores' operand would (its TMA
                 # copies need one).
@@ -469,13 +468,12 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
 
             gm = _Global(Q, KCache, VCache, BlockTables, SeqLens, CumSeqLensQ, AlibiSlopes, KVScales, TileSeq,
                          TileQ0, Out, Lse, Sched)
-            k_use, v_use = _Ring(k_ring, k_full, k_free, num_stages), _Ring(v_ring, v_full, v_free, num_stages)
+            v_use = _Ring(v_ring, v_full, v_free, num_stages)
             if kv_bits == 8:  # V's widened ring: the converter warps arrive when written, the consumers when read
                 v_use = _Ring(T.alloc_shared((v_widen, block_N, head_dim), pv_dtype),
                               T.alloc_barrier([64] * v_widen), T.alloc_barrier([256] * v_widen), v_widen)
-            sm = _Shared(q_ring, k_ring, v_ring, k_full, v_full, k_free, v_free, q_full, q_free, item_s, k_use,
-                         v_use, q_use)
-            rf = _Frags(acc_s, acc_p, acc_o, m_prev, m_cur, rescale, row_sum, denom, slope, kv_mult, q_split, q_mult)
+            sm = _Shared(q_ring, k_ring, v_ring, k_full, v_full, k_free, v_free, q_full, q_free, item_s, v_use, q_use)
+            rf = _Frags(acc_s, acc_p, acc_o, m_prev, m_cur, rescale, row_sum, denom, slope, kv_mult, q_scales, q_mult)
             if tx >= 256:  # producer warpgroup
                 producer(gm, sm, cid, rank, tx)
             else:  # consumer warpgroups
