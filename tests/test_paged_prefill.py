@@ -501,6 +501,10 @@ def test_fp8_ws_config_space_builds():
     for kernel in kernels:
         source = kernel.get_kernel_source()
         assert "__tl_cvt_fp8x2_to_half2" in source and source.count("kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 2
+    fp16 = dict(op_spec, dtype="float16")
+    source = paged_prefill_kernel(**fp16, **PagedAttentionPrefillTileLang.default_config(fp16))
+    kernel, = compile_kernels(source, pass_configs=PagedAttentionPrefillTileLang.tunable_pass_configs(fp16))
+    assert kernel.get_kernel_source().count("kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 3  # three terms of q
     with pytest.raises(ValueError, match=r"config\['cluster'\]: expected 1"):
         PagedAttentionPrefillTileLang(**spec, config={"cluster": 2})
 

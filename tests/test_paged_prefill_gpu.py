@@ -139,13 +139,12 @@ def test_fp8_warp_specialized_configs(config, poisoned):
 
 
 @pytest.mark.gpu
-def test_fp8_scores_split_bf16_q_exactly(poisoned):
-    """The FP8 scores split each bf16 Q row into two e4m3 terms under a power-of-two scale from the row's largest
-    |q| (exact): rows of zeros, rows scaled by 100 and 1e-4, rows of exact powers of two (on the scale's
-    boundaries), a row whose other entries are 2^-20 of its largest, against the golden on the same q. (An fp16 q
-    keeps 8 of its 11 bits: the option cases cover it at ordinary magnitudes; rows scaled by 100 miss fp16's
-    tolerance.)"""
-    spec, dtype = _FP8_WS_SPEC, torch.bfloat16
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_scores_split_q_exactly(dtype, poisoned):
+    """The FP8 scores split each Q row into e4m3 terms (two for bf16, three for fp16) under a power-of-two scale
+    from the row's largest |q| (exact): rows of zeros, rows scaled by 100 and 1e-4, rows of exact powers of two
+    (on the scale's boundaries), a row whose other entries are 2^-20 of its largest, against the golden."""
+    spec = dict(_FP8_WS_SPEC, dtype=dtype)
     op = PagedAttentionPrefillTileLang(**spec)
     batch, scales = _option_batch(spec, [130, 7], [300, 40])
     q = batch["q"].float()

@@ -20,20 +20,26 @@ MULTICAST_PAGES_FROM = 32
 WS_THREADS = 384  # producer warpgroup + 2 consumer warpgroups
 
 
+def q_terms(dtype: str) -> int:
+    """The e4m3 terms an 8-bit cache's FP8 scores split a q of `dtype` into, to keep all its bits: 8 significant
+    bits in bf16, 11 in fp16 (4 per term)."""
+    return 3 if dtype == "float16" else 2
+
+
 def ws_smem_bytes(q_tiles: int, block_N: int, num_stages: int, head_dim: int, kv_bits: int = 16,
-                  v_widen: int = 1) -> int:
+                  v_widen: int = 1, terms: int = 2) -> int:
     """Shared memory of the warp-specialized kernel's Q tiles (16-bit) and K / V rings (`kv_bits`); an
-    8-bit cache adds each Q tile's two e4m3 terms and the ring of `v_widen` fp16 V tiles its converter warps
-    widen the V stages into."""
-    q = q_tiles * WS_BLOCK_M * (4 if kv_bits == 8 else 2)
+    8-bit cache adds each Q tile's `terms` e4m3 terms (`q_terms`) and the ring of `v_widen` fp16 V tiles its
+    converter warps widen the V stages into."""
+    q = q_tiles * WS_BLOCK_M * (2 + terms if kv_bits == 8 else 2)
     kv = 2 * num_stages * block_N * kv_bits // 8 + (v_widen * block_N * 2 if kv_bits == 8 else 0)
     return (q + kv) * head_dim
 
 
 def ws_smem_fits(q_tiles: int, block_N: int, num_stages: int, head_dim: int, kv_bits: int = 16,
-                 v_widen: int = 1) -> bool:
+                 v_widen: int = 1, terms: int = 2) -> bool:
     """Whether they fit the shared memory a CTA may use (barriers and alignment aside: under 1 KB)."""
-    return ws_smem_bytes(q_tiles, block_N, num_stages, head_dim, kv_bits, v_widen) <= SMEM_BUDGET
+    return ws_smem_bytes(q_tiles, block_N, num_stages, head_dim, kv_bits, v_widen, terms) <= SMEM_BUDGET
 
 
 def head_pack(num_heads: int, num_kv_heads: int, block_M: int) -> int:
@@ -66,7 +72,8 @@ def default_config(head_dim: int, dtype: str, page_size: int, kv_bits: int = 16)
     if warp_specialized(dtype, page_size):  # Q + 2 stages of K and V: 160 KB, 192 KB at head_dim 256
         block_N = 64 if head_dim == 256 else 128
         if kv_bits == 8:  # the deepest rings that fit beside one Q tile (192 KB at head_dim 128)
-            stages, v = next(c for c in _WIDEN_DEPTHS if ws_smem_fits(1, block_N, c[0], head_dim, 8, c[1]))
+            stages, v = next(c for c in _WIDEN_DEPTHS
+                             if ws_smem_fits(1, block_N, c[0], head_dim, 8, c[1], q_terms(dtype)))
             return {"block_N": block_N, "num_stages": stages, "cluster": 1, "v_widen": v}
         return {"block_N": block_N, "num_stages": 2, "cluster": 2 if page_size >= MULTICAST_PAGES_FROM else 1}
     # Whole-page (TMA) loads run two stages; the row gathers of smaller pages do not lower with two.
@@ -84,7 +91,7 @@ def config_space(head_dim: int, dtype: str, page_size: int, kv_bits: int = 16) -
         if kv_bits == 8:  # the default's tile; the 8-bit and the widened rings' depths within shared memory
             n = default_config(head_dim, dtype, page_size, kv_bits)["block_N"]
             return [{"block_N": n, "num_stages": s, "cluster": 1, "v_widen": v} for s in (1, 2, 3) for v in (1, 2, 3)
-                    if ws_smem_fits(1, n, s, head_dim, 8, v)]
+                    if ws_smem_fits(1, n, s, head_dim, 8, v, q_terms(dtype))]
         # Q plus num_stages x (K and V tiles) within shared memory.
         return [{"block_N": n, "num_stages": s, "cluster": c} for n in (64, 128) for s in (2, 3) for c in (1, 2)
                 if ws_smem_fits(1, n, s, head_dim)]

@@ -202,12 +202,13 @@ class TilePlan:
         self.widen_v = widen_v
 
         @T.macro
-        def split_q(q_ring, qb, q_hi, q_lo, scale_s, q_mult, k_mult, tx):
-            # Q tile qb as two e4m3 terms for the FP8 scores, by the 256 consumer threads (`tx`), two per row:
-            # each row scaled by a power of two s that puts its largest |q| in [128, 256), hi = e4m3(q / s),
-            # lo = e4m3(q / s - hi); q = s (hi + lo) exactly for a bf16 q wherever |q / s| >= 2 (hi keeps 4 of
-            # its 8 significant bits, lo the other 4), within 2^-10 s below (lo's subnormals: 2^-17 of the
-            # row's largest); an fp16 q keeps 8 of its 11 bits. Two FP8 products then cost one 16-bit one.
+        def split_q(q_ring, qb, terms, scale_s, q_mult, k_mult, tx):
+            # Q tile qb as a sum of e4m3 terms for the FP8 scores (`terms`: one tile each), by the 256 consumer
+            # threads (`tx`), two per row: each row scaled by a power of two s that puts its largest |q| in
+            # [128, 256), then term t = e4m3(what the terms before it left of q / s). Each term keeps 4
+            # significant bits, so two hold a bf16 q and three an fp16 one exactly wherever |q / s| is large
+            # enough for the last term to be a normal e4m3 (>= 2 for bf16, >= 32 for fp16), and within
+            # 2^-10 s below (its subnormals: 2^-17 of the row's largest). Two FP8 products cost one 16-bit one.
             # q_mult[i] = s_i * k_scale, through `scale_s` (shared, one per row).
             half = head_dim // 2
             row, c0 = tx // 2, tx % 2 * half
@@ -223,19 +224,19 @@ class TilePlan:
             # m's biased exponent ex (at least 7: a row of zeros gets any finite scale): 1 / s = 2^(134 - ex)
             ex = T.max(T.shift_right(T.reinterpret(m, "int32"), 23), 7)
             inv = T.reinterpret(T.shift_left(261 - ex, 23), "float32")
-            hi = T.alloc_local((8,), "float8_e4m3fn")
-            lo = T.alloc_local((8,), "float8_e4m3fn")
+            rest = T.alloc_local((8,), accum)
+            term = T.alloc_local((8,), "float8_e4m3fn")
             for c in T.serial(half // 8):
                 for e in T.vectorized(8):
                     v[e] = q_ring[qb, row, c0 + c * 8 + e]
                 for e in T.unroll(8):
-                    x = T.cast(v[e], accum) * inv  # exact
-                    hi[e] = T.cast(x, "float8_e4m3fn")
-                    lo[e] = T.cast(x - T.cast(hi[e], accum), "float8_e4m3fn")
-                for e in T.vectorized(8):
-                    q_hi[qb, row, c0 + c * 8 + e] = hi[e]
-                for e in T.vectorized(8):
-                    q_lo[qb, row, c0 + c * 8 + e] = lo[e]
+                    rest[e] = T.cast(v[e], accum) * inv  # exact
+                for tile in terms:  # a Python loop: unrolled while tracing
+                    for e in T.unroll(8):
+                        term[e] = T.cast(rest[e], "float8_e4m3fn")
+                        rest[e] = rest[e] - T.cast(term[e], accum)  # exact
+                    for e in T.vectorized(8):
+                        tile[qb, row, c0 + c * 8 + e] = term[e]
             if tx % 2 == 0:
                 scale_s[row] = T.reinterpret(T.shift_left(ex - 7, 23), "float32")  # s = 2^(ex - 134)
             T.sync_threads(1, 256)

@@ -16,8 +16,8 @@ From 32-row pages, CTA pairs (clusters) take two adjacent query tiles of one hea
 K / V tile: rank 0 multicasts it into both CTAs' rings, halving the L2 reads. On an H200 this kernel runs
 at the board's power cap, and the saved energy buys clock (1545 -> 1630 MHz at 4x4k).
 
-An 8-bit (FP8) cache: the scores run on FP8 tensor cores from K as stored, the Q tile split into two e4m3 terms
-per item (as exact as bf16 q); V is widened to fp16 by the producer warpgroup's two other warps into a ring of
+An 8-bit (FP8) cache: the scores run on FP8 tensor cores from K as stored, the Q tile split into e4m3 terms per
+item (two for bf16 q, three for fp16: exact); V is widened to fp16 by the producer warpgroup's two other warps into a ring of
 its own, off the consumers' critical path, for an fp16 P @ V.
 """
 
@@ -27,7 +27,7 @@ import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
 from ...common.runtime import max_active_clusters
-from ..tiling import BITS, WS_BLOCK_M, WS_THREADS, ws_smem_bytes, ws_smem_fits
+from ..tiling import BITS, WS_BLOCK_M, WS_THREADS, q_terms, ws_smem_bytes, ws_smem_fits
 from .tile_plan import TilePlan
 
 WS_Q_WARP = 9  # loads Q tiles; warp 8 loads K and V (K alone in a cluster, V then on warp 10), never waiting on Q
@@ -46,7 +46,7 @@ _Global = namedtuple("_Global", "Q KCache VCache BlockTables SeqLens CumSeqLensQ
 # The ring the consumers read V from (ring, full / free mbarriers, depth): V's TMA ring, or for an 8-bit cache the
 # fp16 ring its converter warps fill.
 _Ring = namedtuple("_Ring", "ring full free depth")
-# q_use: the Q tiles the scores read (q_ring, or with an 8-bit cache its two e4m3 terms, see TilePlan.split_q).
+# q_use: the Q tiles the scores read (q_ring, or with an 8-bit cache its e4m3 terms, see TilePlan.split_q).
 _Shared = namedtuple("_Shared", "q_ring k_ring v_ring k_full v_full k_free v_free q_full q_free item_s v_use q_use")
 # kv_mult: [k_scale, v_scale] of an 8-bit cache, in registers; q_scales: the q split's row scales (shared),
 # q_mult: each row's score multiplier (that scale times k_scale).
@@ -263,7 +263,7 @@ class _ConsumerPhases:
             head0 = sm.item_s[qb, _HEAD0]
             rows = sm.item_s[qb, _ROWS]
             if fp8:
-                plan.split_q(sm.q_ring, qb, sm.q_use[0], sm.q_use[1], rf.q_scales, rf.q_mult, rf.kv_mult[0], tx)
+                plan.split_q(sm.q_ring, qb, sm.q_use, rf.q_scales, rf.q_mult, rf.kv_mult[0], tx)
                 T.fence_proxy_async()  # the shared stores, before the products (async proxy) read them
                 T.sync_threads(1, 256)
             if use_alibi:
@@ -280,7 +280,7 @@ class _ConsumerPhases:
             st = ring_stage(step + i, num_stages)
             prev = ring_stage(step + i - 1, v.depth)
             T.barrier_wait(sm.k_full[st], ring_phase(step + i, num_stages))
-            for q, q_tile in enumerate(sm.q_use):  # bf16 / fp16 q, or its two e4m3 terms
+            for q, q_tile in enumerate(sm.q_use):  # bf16 / fp16 q, or its e4m3 terms
                 T.wgmma_gemm(q_tile[qb, :, :], sm.k_ring[st, :, :], rf.acc_s, transpose_B=True,
                              clear_accum=q == 0, policy=T.GemmWarpPolicy.FullRow)
             if i > 0:
@@ -368,7 +368,8 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
     expect, once the stage's previous fill has landed. K and V then have a producer warp each.
 
     An 8-bit cache (`kv_dtype`, cluster 1): the scores run on FP8 tensor cores from K's TMA ring as stored, with
-    each Q tile split once per item into two e4m3 terms (TilePlan.split_q); producer warps 10 and 11 widen
+    each Q tile split once per item into e4m3 terms (TilePlan.split_q; two for bf16 q, three for fp16); producer
+    warps 10 and 11 widen
     each landed V stage to fp16 (one cvt per pair of elements) into a ring of `v_widen` tiles, off the consumers'
     critical path, for an fp16 P @ V."""
     block_M = WS_BLOCK_M
@@ -380,12 +381,13 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
     accum = "float32"
     # The producer loads the next item's Q while the consumers work on this one, when two Q tiles fit.
     assert kv_bits == 16 or cluster == 1, "an 8-bit cache's converter warps take the warp a CTA pair needs for V"
-    q_stages = 2 if ws_smem_fits(2, block_N, num_stages, head_dim, kv_bits, v_widen) else 1
+    terms = q_terms(dtype)
+    q_stages = 2 if ws_smem_fits(2, block_N, num_stages, head_dim, kv_bits, v_widen, terms) else 1
     # Full tiles stage O in their Q buffer and store it by TMA, split over the 8 consumer warps.
     tma_out = plan.tokens % 8 == 0
     # A persistent grid of clusters holds only those resident at once (one CTA per SM).
     num_clusters = num_ctas if cluster == 1 else min(num_ctas // cluster, max_active_clusters(
-        cluster, WS_THREADS, ws_smem_bytes(q_stages, block_N, num_stages, head_dim, kv_bits, v_widen)))
+        cluster, WS_THREADS, ws_smem_bytes(q_stages, block_N, num_stages, head_dim, kv_bits, v_widen, terms)))
     producer = _ProducerPhases(plan, num_stages, q_stages, cluster, num_clusters, head_groups).producer
     consumer = _ConsumerPhases(plan, head_dim, dtype, use_alibi, num_stages, q_stages, cluster, tma_out).consumer
 
@@ -417,7 +419,7 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             q_use = [q_ring]
             q_scales = q_mult = None
             if kv_bits == 8:
-                q_use = [T.alloc_shared((q_stages, block_M, head_dim), kv_dtype) for _ in range(2)]
+                q_use = [T.alloc_shared((q_stages, block_M, head_dim), kv_dtype) for _ in range(terms)]
                 q_scales = T.alloc_shared((block_M,), accum)
                 q_mult = T.alloc_fragment((block_M,), accum)
                 # No product reads q_ring then: give it the swizzled layout the scores' operand would (its TMA
