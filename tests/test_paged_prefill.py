@@ -226,6 +226,9 @@ def test_golden_keeps_dtype():
     (dict(kv_dtype=torch.float16), TypeError, "kv_dtype"),
     (dict(kv_dtype=torch.float8_e5m2), TypeError, "kv_dtype"),
     (dict(dtype=torch.float32, kv_dtype=torch.float8_e4m3fn), TypeError, "kv_dtype"),
+    (dict(fp8_compute=True), ValueError, "fp8_compute: expected False unless kv_dtype"),
+    (dict(kv_dtype=torch.float8_e4m3fn, page_size=8, fp8_compute=True), ValueError, "fp8_compute.*page_size=8"),
+    (dict(kv_dtype=torch.float8_e4m3fn, fp8_compute=1), TypeError, "fp8_compute"),
 ])
 def test_constructor_rejects(kwargs, err, match):
     args = dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16)
@@ -507,6 +510,20 @@ def test_fp8_ws_config_space_builds():
     assert kernel.get_kernel_source().count("kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 3  # three terms of q
     with pytest.raises(ValueError, match=r"config\['cluster'\]: expected 1"):
         PagedAttentionPrefillTileLang(**spec, config={"cluster": 2})
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_compute_builds(head_dim):
+    """fp8_compute: q as one e4m3 term, P through shared memory and V transposed by the converter warps, both
+    products FP8 wgmma (no fp16 widening left), within shared memory at every head_dim."""
+    spec = dict(num_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=64, dtype=torch.bfloat16,
+                kv_dtype=torch.float8_e4m3fn, fp8_compute=True)
+    op = PagedAttentionPrefillTileLang(**spec)
+    source = op.kernel.get_kernel_source()
+    assert "__tl_cvt_fp8x2_to_half2" not in source
+    # the scores (one term), P @ V in the KV loop and after it
+    assert source.count("kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 3
 
 
 # ----------------------------------------------------------------------------- API: deprecated names, protocol

@@ -142,22 +142,23 @@ def test_fp8_warp_specialized_configs(config, poisoned):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_scores_split_q_exactly(dtype, poisoned):
     """The FP8 scores split each Q row into e4m3 terms (two for bf16, three for fp16) under a power-of-two scale
-    from the row's largest |q| (exact): rows of zeros, rows scaled by 100 and 1e-4, rows of exact powers of two
-    (on the scale's boundaries), a row whose other entries are 2^-20 of its largest, against the golden."""
+    from the row's largest |q| (exact), against the golden: q x 100 with the softmax scale / 100, and among its
+    rows one of zeros, one x 1e-6, one of exact powers of two (on the scale's boundaries), one whose other entries
+    are 2^-20 of its largest. (The logits stay moderate: the FP8 products sum in the tensor cores' narrower
+    accumulator, ~2^-13 of the running sum, which at logits of ~100 moves a softmax by percents.)"""
     spec = dict(_FP8_WS_SPEC, dtype=dtype)
-    op = PagedAttentionPrefillTileLang(**spec)
+    op = PagedAttentionPrefillTileLang(**spec, scale=spec["head_dim"] ** -0.5 / 100)
     batch, scales = _option_batch(spec, [130, 7], [300, 40])
-    q = batch["q"].float()
+    q = batch["q"].float() * 100
     gen = torch.Generator(device="cpu").manual_seed(7)
     q[0] = 0
-    q[1] *= 100
-    q[2] *= 1e-4
-    q[3] = 2.0 ** torch.randint(-6, 9, q[3].shape, generator=gen).float().to(q.device)
-    q[4] = q[4].sign() * 2.0 ** -20
-    q[4, :, 0] = 3.0
+    q[1] *= 1e-6
+    q[2] = 2.0 ** torch.randint(-6, 9, q[2].shape, generator=gen).float().to(q.device)
+    q[3] = q[3].sign() * 2.0 ** -20
+    q[3, :, 0] = 300.0
     q[131] = 0
     batch["q"] = q.to(dtype)
-    want, _ = _golden(spec, batch, scales)
+    want = paged_attention_prefill(**batch, kv_layout=spec["kv_layout"], scale=op.scale, **scales)
     with poisoned():
         got = op(**batch, **scales)
     tol = TOL[dtype] * 2
@@ -313,6 +314,53 @@ def test_options_match_golden(case, poisoned):
                    num_pages=batch["k_cache"].shape[0])
     again = op.run(batch["q"], batch["k_cache"], batch["v_cache"], plan, batch["alibi_slopes"], **scales)
     torch.testing.assert_close(again, got, rtol=0, atol=0)  # deterministic, and the same as the one call
+
+
+# fp8_compute: both products on FP8 (q and P rounded to e4m3); heads packed or not, both layouts, pages 16-256
+FP8_COMPUTE_CASES = [
+    (dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16), [0, 1, 130, 257, 77],
+     [5, 0, 300, 0, 1000]),
+    (dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=64, dtype=torch.float16, use_alibi=True,
+          kv_layout="NHD", window_left=150, logits_soft_cap=4.0), [33, 0, 300, 1], [500, 7, 0, 95]),
+    (dict(num_heads=8, num_kv_heads=1, head_dim=64, page_size=32, dtype=torch.bfloat16, use_alibi=True),
+     [200, 1, 0, 77, 16], [700, 0, 5, 1300, 2000]),
+    (dict(num_heads=8, num_kv_heads=8, head_dim=256, page_size=256, dtype=torch.bfloat16, kv_layout="NHD",
+          logits_soft_cap=10.0), [129, 1, 64], [300, 0, 31]),
+]
+
+
+def _round_q_like_fp8_compute(q):
+    """q as the fp8_compute kernel rounds it: each (token, head) row scaled by the power of two s that puts its
+    largest |q| in [128, 256), rounded to e4m3, times s."""
+    q = q.float()
+    big = q.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -120)
+    s = torch.exp2(torch.floor(torch.log2(big)) - 7)
+    return ((q / s).to(FP8).float() * s).to(q.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(FP8_COMPUTE_CASES)))
+def test_fp8_compute_matches_golden(case, poisoned):
+    """fp8_compute against the golden run on the kernel's rounding of q: what remains is P rounded to e4m3 (4
+    significant bits: each product p v off by at most 2^-4 of it, while the softmax's sum takes the unrounded p),
+    so |out - golden| <= 2^-4 max |v_scale v| of the head (e4m3's subnormal p below 2^-6 aside); the
+    log-sum-exp sees no rounding of P."""
+    spec, q_lens, histories = FP8_COMPUTE_CASES[case]
+    spec = dict(spec, kv_dtype=FP8)
+    op = PagedAttentionPrefillTileLang(**spec, fp8_compute=True)
+    batch, scales = _option_batch(spec, q_lens, histories)
+    exact = dict(batch, q=_round_q_like_fp8_compute(batch["q"]).to(spec["dtype"]))
+    want, want_lse = _golden(spec, exact, scales)
+    _free_pages_outside_windows(spec, batch)
+    with poisoned():
+        got, lse = op(**batch, return_lse=True, **scales)
+    assert torch.isfinite(got).all() and torch.isfinite(lse).all()
+    err = (got.float() - want.float()).abs()
+    v = batch["v_cache"].float().nan_to_num().abs().amax() * float(scales["v_scale"])
+    print(f"fp8_compute case {case}: max err {err.max().item():.3e} mean {err.mean().item():.3e}, bound "
+          f"{v.item() / 16:.3e}")
+    assert err.max() <= v / 16 + TOL[spec["dtype"]]
+    torch.testing.assert_close(lse, want_lse, rtol=LSE_TOL[True], atol=LSE_TOL[True])
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@ from ..common.validate import (check_bool, check_choice, check_float, check_int,
                                dtype_name, renamed)
 from ..common.validate import check_values as check_all
 from .kernels import paged_prefill_kernel, paged_prefill_schedule_kernel
-from .tiling import HEAD_DIMS, WS_BLOCK_M, config_space, default_config, tile_tokens, warp_specialized
+from .tiling import HEAD_DIMS, WS_BLOCK_M, WS_PAGES_FROM, config_space, default_config, tile_tokens, warp_specialized
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn  # the 8-bit cache dtype (with 16-bit q)
@@ -82,7 +82,10 @@ class PagedAttentionPrefillTileLang(Op):
     KV position p attends keys p - window_left .. p), a logits soft-cap ``logits_soft_cap`` (0: none) and
     the cache dtype ``kv_dtype`` (None: ``dtype``; or torch.float8_e4m3fn with fp16/bf16 q, whose real
     values are stored x the call's ``k_scale`` / ``v_scale``: python floats or 1-element fp32 tensors on
-    q's device, default 1; the kernel dequantizes each tile to q's dtype for 16-bit products).
+    q's device, default 1; the kernel's products keep every bit of q, K and V). ``fp8_compute=True`` (an FP8 cache,
+    pages of >= 16 rows) runs both products on FP8 tensor cores instead, as FlashAttention-3's FP8 mode (vLLM's
+    FP8 attention): q rounded to e4m3 (per row, under a power-of-two scale) and the softmax's P to e4m3; faster,
+    at e4m3's 4 significant bits for q and P.
     ``config`` overrides the kernel's tunables. ``return_lse=True`` also returns the log-sum-exp of each
     (token, head)'s final scores, [total_q, num_heads] fp32, natural log (the kernel always writes it).
 
@@ -108,12 +111,13 @@ class PagedAttentionPrefillTileLang(Op):
 
     @classmethod
     def default_config(cls, spec: dict) -> dict:
-        return default_config(spec["head_dim"], spec["dtype"], spec["page_size"], 8 if "kv_dtype" in spec else 16)
+        return default_config(spec["head_dim"], spec["dtype"], spec["page_size"], 8 if "kv_dtype" in spec else 16,
+                              spec.get("fp8_compute", False))
 
     @classmethod
     def config_space(cls, spec: dict) -> list[dict]:
         return config_space(spec.get("head_dim", 128), spec.get("dtype", "bfloat16"), spec.get("page_size", 16),
-                            8 if "kv_dtype" in spec else 16)
+                            8 if "kv_dtype" in spec else 16, spec.get("fp8_compute", False))
 
     @classmethod
     def tunable_kernel(cls, spec: dict):
@@ -140,7 +144,8 @@ class PagedAttentionPrefillTileLang(Op):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int | None = None, page_size: int | None = None,
                  dtype: torch.dtype | None = None, use_alibi: bool = False, scale: float | None = None,
                  kv_layout: str = "HND", window_left: int = -1, logits_soft_cap: float = 0.0,
-                 kv_dtype: torch.dtype | None = None, config: dict | None = None, **deprecated):
+                 kv_dtype: torch.dtype | None = None, fp8_compute: bool = False, config: dict | None = None,
+                 **deprecated):
         where = type(self).__name__
         self.validate = True  # the call's default
         if "validate" in deprecated:
@@ -174,11 +179,16 @@ class PagedAttentionPrefillTileLang(Op):
         kv_dtype = dtype if kv_dtype is None else kv_dtype
         if kv_dtype != dtype and (kv_dtype != FP8 or dtype == torch.float32):
             raise TypeError(f"kv_dtype: expected None, dtype ({dtype}) or {FP8} with a 16-bit dtype, got {kv_dtype}")
+        check_bool("fp8_compute", fp8_compute)
+        if fp8_compute and (kv_dtype != FP8 or not warp_specialized(tl_dtype, page_size)):
+            raise ValueError(f"fp8_compute: expected False unless kv_dtype={FP8} and page_size >= {WS_PAGES_FROM}, "
+                             f"got True with kv_dtype={kv_dtype}, page_size={page_size}")
         if config is not None and not isinstance(config, dict):
             raise TypeError(f"config: expected a dict or None, got {type(config).__name__}")
         self.num_heads, self.num_kv_heads, self.head_dim, self.page_size = num_heads, num_kv_heads, head_dim, page_size
         self.dtype, self.use_alibi, self.kv_layout, self.scale = dtype, use_alibi, kv_layout, scale
         self.window_left, self.logits_soft_cap, self.kv_dtype = window_left, logits_soft_cap, kv_dtype
+        self.fp8_compute = fp8_compute
         self.spec = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                      "page_size": page_size, "dtype": tl_dtype, "use_alibi": use_alibi, "kv_layout": kv_layout,
                      "scale": scale, "num_ctas": sm_count()}
@@ -189,6 +199,8 @@ class PagedAttentionPrefillTileLang(Op):
             self.spec["soft_cap"] = logits_soft_cap
         if kv_dtype == FP8:
             self.spec["kv_dtype"] = _TL_FP8
+        if fp8_compute:
+            self.spec["fp8_compute"] = True
         self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
         if kv_dtype == FP8 and self.config.get("cluster", 1) != 1:
             raise ValueError(f"config['cluster']: expected 1 with kv_dtype={FP8} (its converter warps take the "

@@ -20,26 +20,29 @@ MULTICAST_PAGES_FROM = 32
 WS_THREADS = 384  # producer warpgroup + 2 consumer warpgroups
 
 
-def q_terms(dtype: str) -> int:
-    """The e4m3 terms an 8-bit cache's FP8 scores split a q of `dtype` into, to keep all its bits: 8 significant
-    bits in bf16, 11 in fp16 (4 per term)."""
+def q_terms(dtype: str, fp8_compute: bool = False) -> int:
+    """The e4m3 terms an 8-bit cache's FP8 scores split a q of `dtype` into: all its bits (8 significant in bf16,
+    11 in fp16, 4 per term), or with `fp8_compute` one (q rounded to e4m3)."""
+    if fp8_compute:
+        return 1
     return 3 if dtype == "float16" else 2
 
 
 def ws_smem_bytes(q_tiles: int, block_N: int, num_stages: int, head_dim: int, kv_bits: int = 16,
-                  v_widen: int = 1, terms: int = 2) -> int:
+                  v_widen: int = 1, terms: int = 2, fp8_pv: bool = False) -> int:
     """Shared memory of the warp-specialized kernel's Q tiles (16-bit) and K / V rings (`kv_bits`); an
-    8-bit cache adds each Q tile's `terms` e4m3 terms (`q_terms`) and the ring of `v_widen` fp16 V tiles its
-    converter warps widen the V stages into."""
+    8-bit cache adds each Q tile's `terms` e4m3 terms (`q_terms`) and the ring of `v_widen` V tiles its
+    converter warps fill from the V stages: fp16, or with `fp8_pv` (an FP8 P @ V) e4m3, transposed, plus P's
+    e4m3 tile."""
     q = q_tiles * WS_BLOCK_M * (2 + terms if kv_bits == 8 else 2)
-    kv = 2 * num_stages * block_N * kv_bits // 8 + (v_widen * block_N * 2 if kv_bits == 8 else 0)
-    return (q + kv) * head_dim
+    kv = 2 * num_stages * block_N * kv_bits // 8 + (v_widen * block_N * (1 if fp8_pv else 2) if kv_bits == 8 else 0)
+    return (q + kv) * head_dim + (WS_BLOCK_M * block_N if fp8_pv else 0)
 
 
 def ws_smem_fits(q_tiles: int, block_N: int, num_stages: int, head_dim: int, kv_bits: int = 16,
-                 v_widen: int = 1, terms: int = 2) -> bool:
+                 v_widen: int = 1, terms: int = 2, fp8_pv: bool = False) -> bool:
     """Whether they fit the shared memory a CTA may use (barriers and alignment aside: under 1 KB)."""
-    return ws_smem_bytes(q_tiles, block_N, num_stages, head_dim, kv_bits, v_widen, terms) <= SMEM_BUDGET
+    return ws_smem_bytes(q_tiles, block_N, num_stages, head_dim, kv_bits, v_widen, terms, fp8_pv) <= SMEM_BUDGET
 
 
 def head_pack(num_heads: int, num_kv_heads: int, block_M: int) -> int:
@@ -65,15 +68,15 @@ def warp_specialized(dtype: str, page_size: int) -> bool:
 _WIDEN_DEPTHS = ((2, 2), (2, 1), (1, 1))
 
 
-def default_config(head_dim: int, dtype: str, page_size: int, kv_bits: int = 16) -> dict:
+def default_config(head_dim: int, dtype: str, page_size: int, kv_bits: int = 16, fp8_compute: bool = False) -> dict:
     """Tiles that fit shared memory (Q, plus K and V per pipeline stage) and registers. An 8-bit cache on the
     warp-specialized kernel adds the depth of its widened V ring (`v_widen`) and runs without CTA pairs (the
     producer warp a pair would take for V widens the stages instead)."""
     if warp_specialized(dtype, page_size):  # Q + 2 stages of K and V: 160 KB, 192 KB at head_dim 256
         block_N = 64 if head_dim == 256 else 128
         if kv_bits == 8:  # the deepest rings that fit beside one Q tile (192 KB at head_dim 128)
-            stages, v = next(c for c in _WIDEN_DEPTHS
-                             if ws_smem_fits(1, block_N, c[0], head_dim, 8, c[1], q_terms(dtype)))
+            stages, v = next(c for c in _WIDEN_DEPTHS if ws_smem_fits(
+                1, block_N, c[0], head_dim, 8, c[1], q_terms(dtype, fp8_compute), fp8_compute))
             return {"block_N": block_N, "num_stages": stages, "cluster": 1, "v_widen": v}
         return {"block_N": block_N, "num_stages": 2, "cluster": 2 if page_size >= MULTICAST_PAGES_FROM else 1}
     # Whole-page (TMA) loads run two stages; the row gathers of smaller pages do not lower with two.
@@ -85,13 +88,13 @@ def default_config(head_dim: int, dtype: str, page_size: int, kv_bits: int = 16)
     return {"block_M": 128, "block_N": 128, "num_stages": stages, "threads": 256}
 
 
-def config_space(head_dim: int, dtype: str, page_size: int, kv_bits: int = 16) -> list[dict]:
+def config_space(head_dim: int, dtype: str, page_size: int, kv_bits: int = 16, fp8_compute: bool = False) -> list[dict]:
     """The configs the autotuner may try for a specialization."""
     if warp_specialized(dtype, page_size):
         if kv_bits == 8:  # the default's tile; the 8-bit and the widened rings' depths within shared memory
             n = default_config(head_dim, dtype, page_size, kv_bits)["block_N"]
             return [{"block_N": n, "num_stages": s, "cluster": 1, "v_widen": v} for s in (1, 2, 3) for v in (1, 2, 3)
-                    if ws_smem_fits(1, n, s, head_dim, 8, v, q_terms(dtype))]
+                    if ws_smem_fits(1, n, s, head_dim, 8, v, q_terms(dtype, fp8_compute), fp8_compute)]
         # Q plus num_stages x (K and V tiles) within shared memory.
         return [{"block_N": n, "num_stages": s, "cluster": c} for n in (64, 128) for s in (2, 3) for c in (1, 2)
                 if ws_smem_fits(1, n, s, head_dim)]

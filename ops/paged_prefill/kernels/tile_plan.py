@@ -201,6 +201,46 @@ class TilePlan:
                             kt * block_N + j < kv_len, T.cast(raw[u, e], "float16"), T.cast(0, "float16"))
         self.widen_v = widen_v
 
+        def byte_perm(x, y, selector):
+            return T.call_extern("uint32", "__byte_perm", x, y, selector)
+
+        @T.macro
+        def transpose_v(ring, st, dst, ds, kt, kv_len, lane):
+            # 64 threads (`lane`) transpose stage st of an 8-bit V ring [block_N, head_dim] into stage ds of `dst`
+            # [head_dim, block_N] (FP8 products read B K-major: keys contiguous), an 8 x 8 block of bytes per thread
+            # a round: 8-byte loads of 8 keys' rows, four 4 x 4 byte transposes of 8 byte permutes each, 8-byte
+            # stores of 8 dims' rows; keys past the sequence end as 0 (they may hold NaN). Each 16 lanes take the 16
+            # key blocks (at block_N 128) and dim blocks rotated by the key block: a load of 16 lanes reads 16
+            # different 8-byte columns of V's rows (one 128-byte line each), a store writes row r of 16 dim blocks
+            # (rows r mod 8 alike) at 16 different key chunks of the swizzled `dst`: no bank conflicts either way.
+            key_blocks, dim_blocks = block_N // 8, head_dim // 8
+            raw = T.alloc_local((8, 8), ring.dtype)
+            tr = T.alloc_local((8, 8), ring.dtype)
+            rw = T.view(raw, (8, 2), "uint32")  # rw[key, h]: dims 4 h .. 4 h + 3 of a key
+            tw = T.view(tr, (8, 2), "uint32")  # tw[dim, h]: keys 4 h .. 4 h + 3 of a dim
+            for b in T.unroll(key_blocks * dim_blocks // 64):
+                jb = lane % key_blocks
+                j0 = jb * 8
+                d0 = (jb + b * (64 // key_blocks) + lane // key_blocks) % dim_blocks * 8
+                for c in T.unroll(8):
+                    for e in T.vectorized(8):
+                        raw[c, e] = ring[st, j0 + c, d0 + e]
+                if (kt + 1) * block_N > kv_len:  # the sequence's last tile
+                    for c in T.unroll(8):
+                        for h in T.unroll(2):
+                            rw[c, h] = T.if_then_else(kt * block_N + j0 + c < kv_len, rw[c, h], T.uint32(0))
+                for hd in T.unroll(2):  # dims 4 hd ..: word hd of the keys' rows
+                    for hk in T.unroll(2):  # keys 4 hk ..: word hk of the dims' rows
+                        k4 = [rw[4 * hk + i, hd] for i in range(4)]
+                        lo = [byte_perm(k4[0], k4[1], 0x5140), byte_perm(k4[2], k4[3], 0x5140)]  # bytes 0, 1
+                        hi = [byte_perm(k4[0], k4[1], 0x7362), byte_perm(k4[2], k4[3], 0x7362)]  # bytes 2, 3
+                        for i, (pair, sel) in enumerate(((lo, 0x5410), (lo, 0x7632), (hi, 0x5410), (hi, 0x7632))):
+                            tw[4 * hd + i, hk] = byte_perm(pair[0], pair[1], sel)
+                for r in T.unroll(8):
+                    for e in T.vectorized(8):
+                        dst[ds, d0 + r, j0 + e] = tr[r, e]
+        self.transpose_v = transpose_v
+
         @T.macro
         def split_q(q_ring, qb, terms, scale_s, q_mult, k_mult, tx):
             # Q tile qb as a sum of e4m3 terms for the FP8 scores (`terms`: one tile each), by the 256 consumer

@@ -18,7 +18,9 @@ at the board's power cap, and the saved energy buys clock (1545 -> 1630 MHz at 4
 
 An 8-bit (FP8) cache: the scores run on FP8 tensor cores from K as stored, the Q tile split into e4m3 terms per
 item (two for bf16 q, three for fp16: exact); V is widened to fp16 by the producer warpgroup's two other warps into a ring of
-its own, off the consumers' critical path, for an fp16 P @ V.
+its own, off the consumers' critical path, for an fp16 P @ V. With `fp8_compute` both products run on FP8 (as
+FlashAttention-3's FP8 mode): q rounded to one e4m3 term, P rounded to e4m3 through shared memory, and the two warps
+transpose V's stages (FP8 products read both operands K-major) instead of widening them.
 """
 
 from collections import namedtuple
@@ -30,6 +32,10 @@ from ...common.runtime import max_active_clusters
 from ..tiling import BITS, WS_BLOCK_M, WS_THREADS, q_terms, ws_smem_bytes, ws_smem_fits
 from .tile_plan import TilePlan
 
+# Registers per thread of the producer and consumer warpgroups (by whether V is transposed for an FP8 P @ V):
+# 128 x producer + 256 x consumer within the 168 x 384 of the launch.
+PRODUCER_REGS = {False: 40, True: 72}
+CONSUMER_REGS = {False: 232, True: 216}
 WS_Q_WARP = 9  # loads Q tiles; warp 8 loads K and V (K alone in a cluster, V then on warp 10), never waiting on Q
 # Slots of a work item's scalars in shared memory: the Q warp writes them, the K/V warp and the consumers
 # read them.
@@ -68,7 +74,7 @@ class _ProducerPhases:
     loading each item's Q tile and scalars (`issue_q`), and the role split between them (`producer`)."""
 
     def __init__(self, plan: TilePlan, num_stages: int, q_stages: int, cluster: int, num_clusters: int,
-                 head_groups: int):
+                 head_groups: int, fp8_pv: bool):
         num_tiles = plan.dims[4]
         multicast = (1 << cluster) - 1 if cluster > 1 else None  # the CTAs a K/V copy lands in
 
@@ -155,11 +161,14 @@ class _ProducerPhases:
                     step = step + 1
                 w = w + 1
 
+        convert_v = plan.transpose_v if fp8_pv else plan.widen_v
+
         @T.macro
-        def widen(src, dst, q_full, item_s, lane):
+        def convert(src, dst, q_full, item_s, lane):
             # The two converter warps of an 8-bit cache (`lane` 0-63): every KV step's V stage (`src`,
-            # _KVStream) widened into the next buffer of `dst` (_Ring) for the consumers' fp16 P @ V, off their
-            # critical path; rows past the sequence end as 0 (they may hold NaN, and 0 * NaN is not 0).
+            # _KVStream) widened (or for an FP8 P @ V transposed) into the next buffer of `dst` (_Ring) for the
+            # consumers' P @ V, off their critical path; keys past the sequence end as 0 (they may hold NaN, and
+            # 0 * NaN is not 0).
             step = T.alloc_var("int32", init=0)
             w = T.alloc_var("int32", init=0)
             more = T.alloc_var("int32", init=1)
@@ -175,7 +184,7 @@ class _ProducerPhases:
                     cs = ring_stage(step, dst.depth)
                     T.barrier_wait(src.full[st], ring_phase(step, num_stages))
                     T.barrier_wait(dst.free[cs], ring_phase(step, dst.depth) ^ 1)
-                    plan.widen_v(src.ring, st, dst.ring, cs, kt, kv_len_p, lane)
+                    convert_v(src.ring, st, dst.ring, cs, kt, kv_len_p, lane)
                     T.fence_proxy_async()  # the shared stores, before the products (async proxy) read them
                     T.barrier_arrive(src.free[st])
                     T.barrier_arrive(dst.full[cs])
@@ -201,7 +210,8 @@ class _ProducerPhases:
         @T.macro
         def producer(gm, sm, cid, rank, tx):
             # The producer warpgroup: K/V warp(s), and a Q warp that also writes the item scalars.
-            T.set_max_nreg(40, 0)  # at 24 the page-id math spills (128 B at 16-row pages)
+            # at 24 the page-id math spills (128 B at 16-row pages); V's 8 x 8 byte transposes hold 32 more
+            T.set_max_nreg(PRODUCER_REGS[fp8_pv], 0)
             k_stream = _KVStream(gm.KCache, sm.k_ring, sm.k_free, sm.k_full)
             v_stream = _KVStream(gm.VCache, sm.v_ring, sm.v_free, sm.v_full)
             if tx < WS_Q_WARP * 32:  # warp 8: K and V, or K alone when a cluster shares them
@@ -218,8 +228,8 @@ class _ProducerPhases:
                     issue_q(gm, sm, rank, tx, w, work)
                     w = w + 1
                 finish(gm, rank, tx, spin)
-            elif plan.fp8:  # warps 10 and 11: V widened
-                widen(v_stream, sm.v_use, sm.q_full, sm.item_s, tx - WS_Q_WARP * 32 - 32)
+            elif plan.fp8:  # warps 10 and 11: V widened (transposed)
+                convert(v_stream, sm.v_use, sm.q_full, sm.item_s, tx - WS_Q_WARP * 32 - 32)
             elif tx < WS_Q_WARP * 32 + 64:
                 if cluster > 1:  # warp 10: V
                     kv_rings([v_stream], sm.q_full, gm.BlockTables, sm.item_s, rank)
@@ -232,9 +242,18 @@ class _ConsumerPhases:
     last P @ V (`last_pv`), the output store (`store_item`), and the loop over the items (`consumer`)."""
 
     def __init__(self, plan: TilePlan, head_dim: int, dtype: str, use_alibi: bool, num_stages: int,
-                 q_stages: int, cluster: int, tma_out: bool):
+                 q_stages: int, cluster: int, tma_out: bool, fp8_pv: bool):
         block_M, block_N, accum = WS_BLOCK_M, plan.block_N, "float32"
-        fp8 = plan.fp8  # scores on FP8 from K as stored (q split in two e4m3 terms), V widened to fp16
+        fp8 = plan.fp8  # scores on FP8 from K as stored (q split in e4m3 terms), V widened (or transposed)
+
+        @T.macro
+        def stage_p(rf, tx):
+            # P for the next P @ V: kept in registers, or for an FP8 one rounded to e4m3 into each consumer
+            # warpgroup's rows of a shared tile (FP8 products read A from shared memory K-major).
+            T.copy(rf.acc_s, rf.acc_p)
+            if fp8_pv:
+                T.fence_proxy_async()  # the shared stores, before the products (async proxy) read them
+                T.sync_threads(2 + tx // 128, 128)
 
         @T.macro
         def release(free, st, tx):
@@ -285,7 +304,8 @@ class _ConsumerPhases:
                              clear_accum=q == 0, policy=T.GemmWarpPolicy.FullRow)
             if i > 0:
                 T.barrier_wait(v.full[prev], ring_phase(step + i - 1, v.depth))
-                T.wgmma_gemm(rf.acc_p, v.ring[prev, :, :], rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
+                T.wgmma_gemm(rf.acc_p, v.ring[prev, :, :], rf.acc_o, transpose_B=fp8_pv,
+                             policy=T.GemmWarpPolicy.FullRow)
                 T.wait_wgmma(1)
             else:
                 T.wait_wgmma(0)
@@ -297,7 +317,7 @@ class _ConsumerPhases:
                 release(v.free, prev, tx)
             for i, d in T.Parallel(block_M, head_dim):
                 rf.acc_o[i, d] *= rf.rescale[i]
-            T.copy(rf.acc_s, rf.acc_p)
+            stage_p(rf, tx)
 
         @T.macro
         def last_pv(gm, sm, rf, step: T.Ref, kt0: T.Ref, steps: T.Ref, kv_len: T.Ref, tx):
@@ -309,7 +329,7 @@ class _ConsumerPhases:
                 T.barrier_wait(v.full[last], ring_phase(step + steps - kt0 - 1, v.depth))
                 if not fp8 and steps * block_N > kv_len:
                     plan.zero_v_tail(v.ring, steps - 1, kv_len, last)
-                T.gemm(rf.acc_p, v.ring[last, :, :], rf.acc_o, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(rf.acc_p, v.ring[last, :, :], rf.acc_o, transpose_B=fp8_pv, policy=T.GemmWarpPolicy.FullRow)
                 release(v.free, last, tx)
 
         @T.macro
@@ -332,7 +352,7 @@ class _ConsumerPhases:
         def consumer(gm, sm, rf, step: T.Ref, last: T.Ref, kt0: T.Ref, steps: T.Ref, kv_len: T.Ref, pos0: T.Ref,
                      q_begin: T.Ref, q0: T.Ref, head0: T.Ref, rows: T.Ref, tx):
             # The two consumer warpgroups: 64 query rows each.
-            T.set_max_nreg(232, 1)  # 128 x 40 + 256 x 232 fits the 168 x 384 of the launch
+            T.set_max_nreg(CONSUMER_REGS[fp8_pv], 1)
             if plan.fp8:
                 for k in T.serial(2):
                     rf.kv_mult[k] = gm.KVScales[k]
@@ -354,7 +374,7 @@ class _ConsumerPhases:
 def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
                             use_alibi: bool, kv_layout: str, scale: float, num_ctas: int, window_left: int = -1,
                             soft_cap: float = 0.0, kv_dtype: str | None = None, block_N: int = 128,
-                            num_stages: int = 2, cluster: int = 1, v_widen: int = 1):
+                            num_stages: int = 2, cluster: int = 1, v_widen: int = 1, fp8_compute: bool = False):
     """Warp-specialized causal paged attention (module docstring), fp16/bf16, pages of >= 16 rows.
     Persistent: `num_ctas` CTAs (one per SM) pull the (tile, head group) work items from the counter in
     `Sched` (zeros at launch; the kernel leaves it zeroed), so the producer loads the next item's first K/V
@@ -369,9 +389,9 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
 
     An 8-bit cache (`kv_dtype`, cluster 1): the scores run on FP8 tensor cores from K's TMA ring as stored, with
     each Q tile split once per item into e4m3 terms (TilePlan.split_q; two for bf16 q, three for fp16); producer
-    warps 10 and 11 widen
-    each landed V stage to fp16 (one cvt per pair of elements) into a ring of `v_widen` tiles, off the consumers'
-    critical path, for an fp16 P @ V."""
+    warps 10 and 11 widen each landed V stage to fp16 (one cvt per pair of elements) into a ring of `v_widen` tiles,
+    off the consumers' critical path, for an fp16 P @ V. `fp8_compute` (an 8-bit cache): q rounded to one e4m3 term, P to e4m3, V
+    transposed by those warps, both products on FP8 tensor cores."""
     block_M = WS_BLOCK_M
     plan = TilePlan(num_heads, num_kv_heads, head_dim, page_size, dtype, use_alibi, kv_layout, scale,
                     block_M, block_N, window_left, soft_cap, kv_dtype)
@@ -381,15 +401,18 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
     accum = "float32"
     # The producer loads the next item's Q while the consumers work on this one, when two Q tiles fit.
     assert kv_bits == 16 or cluster == 1, "an 8-bit cache's converter warps take the warp a CTA pair needs for V"
-    terms = q_terms(dtype)
-    q_stages = 2 if ws_smem_fits(2, block_N, num_stages, head_dim, kv_bits, v_widen, terms) else 1
+    terms = q_terms(dtype, fp8_compute)
+    fp8_pv = kv_bits == 8 and fp8_compute
+    q_stages = 2 if ws_smem_fits(2, block_N, num_stages, head_dim, kv_bits, v_widen, terms, fp8_pv) else 1
     # Full tiles stage O in their Q buffer and store it by TMA, split over the 8 consumer warps.
     tma_out = plan.tokens % 8 == 0
     # A persistent grid of clusters holds only those resident at once (one CTA per SM).
     num_clusters = num_ctas if cluster == 1 else min(num_ctas // cluster, max_active_clusters(
-        cluster, WS_THREADS, ws_smem_bytes(q_stages, block_N, num_stages, head_dim, kv_bits, v_widen, terms)))
-    producer = _ProducerPhases(plan, num_stages, q_stages, cluster, num_clusters, head_groups).producer
-    consumer = _ConsumerPhases(plan, head_dim, dtype, use_alibi, num_stages, q_stages, cluster, tma_out).consumer
+        cluster, WS_THREADS, ws_smem_bytes(q_stages, block_N, num_stages, head_dim, kv_bits, v_widen, terms,
+                                                     fp8_pv)))
+    producer = _ProducerPhases(plan, num_stages, q_stages, cluster, num_clusters, head_groups, fp8_pv).producer
+    consumer = _ConsumerPhases(plan, head_dim, dtype, use_alibi, num_stages, q_stages, cluster, tma_out,
+                               fp8_pv).consumer
 
     @T.prim_func
     def paged_prefill_ws(
@@ -414,8 +437,8 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             k_ring = T.alloc_shared((num_stages, block_N, head_dim), kv_dtype)
             v_ring = T.alloc_shared((num_stages, block_N, head_dim), kv_dtype)
             # An 8-bit cache's P @ V runs on fp16 whatever q's dtype (e4m3 -> fp16 is one cvt per pair of
-            # elements; P in [0, 1] keeps more bits).
-            pv_dtype = "float16" if kv_bits == 8 else dtype
+            # elements; P in [0, 1] keeps more bits), or on e4m3 with fp8_compute.
+            pv_dtype = kv_dtype if fp8_pv else "float16" if kv_bits == 8 else dtype
             q_use = [q_ring]
             q_scales = q_mult = None
             if kv_bits == 8:
@@ -451,7 +474,8 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             head0 = T.alloc_var("int32")
             rows = T.alloc_var("int32")
             acc_s = T.alloc_fragment((block_M, block_N), accum)
-            acc_p = T.alloc_fragment((block_M, block_N), pv_dtype)
+            # P, the A operand of P @ V: registers, or shared for an FP8 product
+            acc_p = (T.alloc_shared if fp8_pv else T.alloc_fragment)((block_M, block_N), pv_dtype)
             acc_o = T.alloc_fragment((block_M, head_dim), accum)
             m_prev = T.alloc_fragment((block_M,), accum)
             m_cur = T.alloc_fragment((block_M,), accum)
@@ -471,8 +495,10 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             gm = _Global(Q, KCache, VCache, BlockTables, SeqLens, CumSeqLensQ, AlibiSlopes, KVScales, TileSeq,
                          TileQ0, Out, Lse, Sched)
             v_use = _Ring(v_ring, v_full, v_free, num_stages)
-            if kv_bits == 8:  # V's widened ring: the converter warps arrive when written, the consumers when read
-                v_use = _Ring(T.alloc_shared((v_widen, block_N, head_dim), pv_dtype),
+            if kv_bits == 8:  # V's widened (transposed) ring: the converter warps arrive when written, the consumers
+                # when read
+                v_tile = (head_dim, block_N) if fp8_pv else (block_N, head_dim)
+                v_use = _Ring(T.alloc_shared((v_widen, *v_tile), pv_dtype),
                               T.alloc_barrier([64] * v_widen), T.alloc_barrier([256] * v_widen), v_widen)
             sm = _Shared(q_ring, k_ring, v_ring, k_full, v_full, k_free, v_free, q_full, q_free, item_s, v_use, q_use)
             rf = _Frags(acc_s, acc_p, acc_o, m_prev, m_cur, rescale, row_sum, denom, slope, kv_mult, q_scales, q_mult)
