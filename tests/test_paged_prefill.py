@@ -609,11 +609,12 @@ def test_custom_op_spec_from_shapes():
     inputs = _meta_inputs(12, 4, 64, 32, torch.float16, "NHD", alibi=True)
     assert custom_op_spec(inputs["q"], inputs["k_cache"], inputs["alibi_slopes"], None, "NHD") == dict(
         num_heads=12, num_kv_heads=4, head_dim=64, page_size=32, dtype=torch.float16, use_alibi=True, scale=None,
-        kv_layout="NHD", window_left=-1, logits_soft_cap=0.0, kv_dtype=torch.float16)
+        kv_layout="NHD", window_left=-1, logits_soft_cap=0.0, kv_dtype=torch.float16, fp8_compute=False)
     inputs = _meta_inputs(8, 1, 256, 64, torch.bfloat16, "HND")
-    assert custom_op_spec(inputs["q"], inputs["k_cache"].to(torch.float8_e4m3fn), None, 0.5, "HND", 100, 30.0) == dict(
+    fp8 = inputs["k_cache"].to(torch.float8_e4m3fn)
+    assert custom_op_spec(inputs["q"], fp8, None, 0.5, "HND", 100, 30.0, True) == dict(
         num_heads=8, num_kv_heads=1, head_dim=256, page_size=64, dtype=torch.bfloat16, use_alibi=False, scale=0.5,
-        kv_layout="HND", window_left=100, logits_soft_cap=30.0, kv_dtype=torch.float8_e4m3fn)
+        kv_layout="HND", window_left=100, logits_soft_cap=30.0, kv_dtype=torch.float8_e4m3fn, fp8_compute=True)
     with pytest.raises(ValueError, match="kv_layout"):
         custom_op_spec(inputs["q"], inputs["k_cache"], None, None, "NDH")
     with pytest.raises(ValueError, match="q: expected shape"):
