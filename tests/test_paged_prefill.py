@@ -524,6 +524,11 @@ def test_fp8_compute_builds(head_dim):
     assert "__tl_cvt_fp8x2_to_half2" not in source
     # the scores (one term), P @ V in the KV loop and after it
     assert source.count("kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 3
+    if head_dim == 64:  # every ring depth the autotuner may pick
+        space = PagedAttentionPrefillTileLang.config_space(op.spec)
+        assert {(c["num_stages"], c["v_widen"]) for c in space} >= {(1, 1), (2, 2), (3, 3)}
+        compile_kernels(*(paged_prefill_kernel(**op.spec, **c) for c in space),
+                        pass_configs=PagedAttentionPrefillTileLang.tunable_pass_configs(op.spec))
 
 
 # ----------------------------------------------------------------------------- API: deprecated names, protocol

@@ -338,16 +338,13 @@ def _round_q_like_fp8_compute(q):
     return ((q / s).to(FP8).float() * s).to(q.dtype)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", range(len(FP8_COMPUTE_CASES)))
-def test_fp8_compute_matches_golden(case, poisoned):
+def _check_fp8_compute(spec, q_lens, histories, poisoned, config=None):
     """fp8_compute against the golden run on the kernel's rounding of q: what remains is P rounded to e4m3 (4
     significant bits: each product p v off by at most 2^-4 of it, while the softmax's sum takes the unrounded p),
     so |out - golden| <= 2^-4 max |v_scale v| of the head (e4m3's subnormal p below 2^-6 aside); the
-    log-sum-exp sees no rounding of P."""
-    spec, q_lens, histories = FP8_COMPUTE_CASES[case]
+    log-sum-exp sees no rounding of P. Returns the batch, its scales and the output."""
     spec = dict(spec, kv_dtype=FP8)
-    op = PagedAttentionPrefillTileLang(**spec, fp8_compute=True)
+    op = PagedAttentionPrefillTileLang(**spec, fp8_compute=True, config=config)
     batch, scales = _option_batch(spec, q_lens, histories)
     exact = dict(batch, q=_round_q_like_fp8_compute(batch["q"]).to(spec["dtype"]))
     want, want_lse = _golden(spec, exact, scales)
@@ -357,15 +354,32 @@ def test_fp8_compute_matches_golden(case, poisoned):
     assert torch.isfinite(got).all() and torch.isfinite(lse).all()
     err = (got.float() - want.float()).abs()
     v = batch["v_cache"].float().nan_to_num().abs().amax() * float(scales["v_scale"])
-    print(f"fp8_compute case {case}: max err {err.max().item():.3e} mean {err.mean().item():.3e}, bound "
-          f"{v.item() / 16:.3e}")
     assert err.max() <= v / 16 + TOL[spec["dtype"]]
     torch.testing.assert_close(lse, want_lse, rtol=LSE_TOL[True], atol=LSE_TOL[True])
+    return batch, scales, got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(FP8_COMPUTE_CASES)))
+def test_fp8_compute_matches_golden(case, poisoned):
+    """fp8_compute within its bound (`_check_fp8_compute`); the custom op gives the same bits."""
+    spec, q_lens, histories = FP8_COMPUTE_CASES[case]
+    batch, scales, got = _check_fp8_compute(spec, q_lens, histories, poisoned)
     tensors = {k: torch.as_tensor(v, dtype=torch.float32, device="cuda").reshape(1) for k, v in scales.items()}
     again = paged_attention_prefill_op(**batch, kv_layout=spec.get("kv_layout", "HND"),
                                        window_left=spec.get("window_left", -1),
                                        logits_soft_cap=spec.get("logits_soft_cap", 0.0), fp8_compute=True, **tensors)
     torch.testing.assert_close(again, got, rtol=0, atol=0)  # the custom op serves the same kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", PagedAttentionPrefillTileLang.config_space(
+    dict(head_dim=64, page_size=32, dtype="bfloat16", kv_dtype="float8_e4m3fn", fp8_compute=True)),
+    ids=lambda c: f"s{c['num_stages']}-v{c['v_widen']}")
+def test_fp8_compute_configs(config, poisoned):
+    """Every ring depth the autotuner may pick for fp8_compute (8-bit stages, transposed V), on MQA with long
+    histories (every ring wraps many times)."""
+    _check_fp8_compute(_FP8_WS_SPEC, [200, 1, 0, 77, 16], [700, 0, 5, 1300, 2000], poisoned, config)
 
 
 @pytest.mark.gpu
