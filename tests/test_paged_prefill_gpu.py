@@ -124,7 +124,7 @@ _FP8_WS_SPEC = dict(num_heads=8, num_kv_heads=1, head_dim=64, page_size=32, dtyp
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", PagedAttentionPrefillTileLang.config_space(
     dict(head_dim=64, page_size=32, dtype="bfloat16", kv_dtype="float8_e4m3fn")),
-    ids=lambda c: f"s{c['num_stages']}-v{c['v_widen']}")
+    ids=lambda c: f"s{c['num_stages']}-v{c['v_widen']}-c{c['cluster']}")
 def test_fp8_warp_specialized_configs(config, poisoned):
     """Every ring depth the autotuner may pick for an 8-bit cache (its converter warps widen V into a ring of
     v_widen tiles), on MQA with long histories (every ring wraps many times), against the golden."""
@@ -375,7 +375,7 @@ def test_fp8_compute_matches_golden(case, poisoned):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", PagedAttentionPrefillTileLang.config_space(
     dict(head_dim=64, page_size=32, dtype="bfloat16", kv_dtype="float8_e4m3fn", fp8_compute=True)),
-    ids=lambda c: f"s{c['num_stages']}-v{c['v_widen']}")
+    ids=lambda c: f"s{c['num_stages']}-v{c['v_widen']}-c{c['cluster']}")
 def test_fp8_compute_configs(config, poisoned):
     """Every ring depth the autotuner may pick for fp8_compute (8-bit stages, transposed V), on MQA with long
     histories (every ring wraps many times)."""

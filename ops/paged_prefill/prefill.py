@@ -202,9 +202,6 @@ class PagedAttentionPrefillTileLang(Op):
         if fp8_compute:
             self.spec["fp8_compute"] = True
         self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
-        if kv_dtype == FP8 and self.config.get("cluster", 1) != 1:
-            raise ValueError(f"config['cluster']: expected 1 with kv_dtype={FP8} (its converter warps take the "
-                             f"producer warp a CTA pair needs), got {self.config['cluster']}")
         self._no_alibi, self._unit_scales = {}, {}
         self.kernel = compile_kernel(paged_prefill_kernel(**self.spec, **self.config),
                                      pass_configs=self.tunable_pass_configs(self.spec))

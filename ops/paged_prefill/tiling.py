@@ -69,16 +69,17 @@ _WIDEN_DEPTHS = ((2, 2), (2, 1), (1, 1))
 
 
 def default_config(head_dim: int, dtype: str, page_size: int, kv_bits: int = 16, fp8_compute: bool = False) -> dict:
-    """Tiles that fit shared memory (Q, plus K and V per pipeline stage) and registers. An 8-bit cache on the
-    warp-specialized kernel adds the depth of its widened V ring (`v_widen`) and runs without CTA pairs (the
-    producer warp a pair would take for V widens the stages instead)."""
+    """Tiles that fit shared memory (Q, plus K and V per pipeline stage) and registers, CTA pairs from
+    `MULTICAST_PAGES_FROM`-row pages. An 8-bit cache on the warp-specialized kernel adds the depth of its widened
+    (or transposed) V ring (`v_widen`)."""
     if warp_specialized(dtype, page_size):  # Q + 2 stages of K and V: 160 KB, 192 KB at head_dim 256
         block_N = 64 if head_dim == 256 else 128
+        cluster = 2 if page_size >= MULTICAST_PAGES_FROM else 1
         if kv_bits == 8:  # the deepest rings that fit beside one Q tile (192 KB at head_dim 128)
             stages, v = next(c for c in _WIDEN_DEPTHS if ws_smem_fits(
                 1, block_N, c[0], head_dim, 8, c[1], q_terms(dtype, fp8_compute), fp8_compute))
-            return {"block_N": block_N, "num_stages": stages, "cluster": 1, "v_widen": v}
-        return {"block_N": block_N, "num_stages": 2, "cluster": 2 if page_size >= MULTICAST_PAGES_FROM else 1}
+            return {"block_N": block_N, "num_stages": stages, "cluster": cluster, "v_widen": v}
+        return {"block_N": block_N, "num_stages": 2, "cluster": cluster}
     # Whole-page (TMA) loads run two stages; the row gathers of smaller pages do not lower with two.
     stages = 2 if page_size >= PAGE_LOADS_FROM else 1
     if dtype == "float32":
@@ -93,7 +94,8 @@ def config_space(head_dim: int, dtype: str, page_size: int, kv_bits: int = 16, f
     if warp_specialized(dtype, page_size):
         if kv_bits == 8:  # the default's tile; the 8-bit and the widened rings' depths within shared memory
             n = default_config(head_dim, dtype, page_size, kv_bits)["block_N"]
-            return [{"block_N": n, "num_stages": s, "cluster": 1, "v_widen": v} for s in (1, 2, 3) for v in (1, 2, 3)
+            return [{"block_N": n, "num_stages": s, "cluster": c, "v_widen": v}
+                    for s in (1, 2, 3) for v in (1, 2, 3) for c in (1, 2)
                     if ws_smem_fits(1, n, s, head_dim, 8, v, q_terms(dtype, fp8_compute), fp8_compute)]
         # Q plus num_stages x (K and V tiles) within shared memory.
         return [{"block_N": n, "num_stages": s, "cluster": c} for n in (64, 128) for s in (2, 3) for c in (1, 2)

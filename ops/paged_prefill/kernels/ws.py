@@ -20,7 +20,8 @@ An 8-bit (FP8) cache: the scores run on FP8 tensor cores from K as stored, the Q
 item (two for bf16 q, three for fp16: exact); V is widened to fp16 by the producer warpgroup's two other warps into a ring of
 its own, off the consumers' critical path, for an fp16 P @ V. With `fp8_compute` both products run on FP8 (as
 FlashAttention-3's FP8 mode): q rounded to one e4m3 term, P rounded to e4m3 through shared memory, and the two warps
-transpose V's stages (FP8 products read both operands K-major) instead of widening them.
+transpose V's stages (FP8 products read both operands K-major) instead of widening them. In a CTA pair warp 8
+loads both 8-bit streams (the converter warps free V's stages ahead of the consumers).
 """
 
 from collections import namedtuple
@@ -36,7 +37,8 @@ from .tile_plan import TilePlan
 # 128 x producer + 256 x consumer within the 168 x 384 of the launch.
 PRODUCER_REGS = {False: 40, True: 72}
 CONSUMER_REGS = {False: 232, True: 216}
-WS_Q_WARP = 9  # loads Q tiles; warp 8 loads K and V (K alone in a cluster, V then on warp 10), never waiting on Q
+# loads Q tiles; warp 8 loads K and V (K alone in a cluster of 16-bit caches, V then on warp 10), never waiting on Q
+WS_Q_WARP = 9
 # Slots of a work item's scalars in shared memory: the Q warp writes them, the K/V warp and the consumers
 # read them.
 # _LAST: 1 on the item past the last one (idle: no KV step, nothing stored), after which every role stops.
@@ -57,6 +59,16 @@ _Shared = namedtuple("_Shared", "q_ring k_ring v_ring k_full v_full k_free v_fre
 # kv_mult: [k_scale, v_scale] of an 8-bit cache, in registers; q_scales: the q split's row scales (shared),
 # q_mult: each row's score multiplier (that scale times k_scale).
 _Frags = namedtuple("_Frags", "acc_s acc_p acc_o m_prev m_cur rescale row_sum denom slope kv_mult q_scales q_mult")
+
+
+@T.macro
+def release(free, st, tx, cluster):
+    # A reader is done with stage st: every thread arrives, or with a cluster one lane per warp on rank 0's
+    # barrier (rank 0 refills the stage in every CTA of the cluster).
+    if cluster == 1:
+        T.barrier_arrive(free[st])
+    elif tx % 32 == 0:
+        T.mbarrier_arrive(free[st], 0)
 
 
 def ring_stage(i, depth):
@@ -186,7 +198,9 @@ class _ProducerPhases:
                     T.barrier_wait(dst.free[cs], ring_phase(step, dst.depth) ^ 1)
                     convert_v(src.ring, st, dst.ring, cs, kt, kv_len_p, lane)
                     T.fence_proxy_async()  # the shared stores, before the products (async proxy) read them
-                    T.barrier_arrive(src.free[st])
+                    if cluster > 1:
+                        T.sync_warp()  # every lane's loads are done before its warp's one arrival
+                    release(src.free, st, lane, cluster)
                     T.barrier_arrive(dst.full[cs])
                     step = step + 1
                 w = w + 1
@@ -214,11 +228,12 @@ class _ProducerPhases:
             T.set_max_nreg(PRODUCER_REGS[fp8_pv], 0)
             k_stream = _KVStream(gm.KCache, sm.k_ring, sm.k_free, sm.k_full)
             v_stream = _KVStream(gm.VCache, sm.v_ring, sm.v_free, sm.v_full)
-            if tx < WS_Q_WARP * 32:  # warp 8: K and V, or K alone when a cluster shares them
+            if tx < WS_Q_WARP * 32:  # warp 8: K and V, or K alone when a cluster shares 16-bit ones
                 # (a cluster's stage waits on every CTA's consumers: K's lookahead must not queue
-                # behind V's slower free slot, 4.5% at 4x4k on an H200)
-                kv_rings([k_stream, v_stream] if cluster == 1 else [k_stream], sm.q_full, gm.BlockTables,
-                         sm.item_s, rank)
+                # behind V's slower free slot, 4.5% at 4x4k on an H200; an 8-bit V stage is freed by the
+                # converter warps, ahead of the consumers)
+                kv_rings([k_stream, v_stream] if cluster == 1 or plan.fp8 else [k_stream], sm.q_full,
+                         gm.BlockTables, sm.item_s, rank)
             elif tx < WS_Q_WARP * 32 + 32:
                 w = T.alloc_var("int32", init=0)
                 work = T.alloc_var("int32", init=0)
@@ -245,6 +260,7 @@ class _ConsumerPhases:
                  q_stages: int, cluster: int, tma_out: bool, fp8_pv: bool):
         block_M, block_N, accum = WS_BLOCK_M, plan.block_N, "float32"
         fp8 = plan.fp8  # scores on FP8 from K as stored (q split in e4m3 terms), V widened (or transposed)
+        v_cluster = 1 if fp8 else cluster  # the V ring they read: the cluster's TMA ring, or their own converted one
 
         @T.macro
         def stage_p(rf, tx):
@@ -254,15 +270,6 @@ class _ConsumerPhases:
             if fp8_pv:
                 T.fence_proxy_async()  # the shared stores, before the products (async proxy) read them
                 T.sync_threads(2 + tx // 128, 128)
-
-        @T.macro
-        def release(free, st, tx):
-            # The consumers are done reading stage st: every thread arrives, or with a cluster one lane per
-            # consumer warp on rank 0's barrier (rank 0 refills the stage in every CTA of the cluster).
-            if cluster == 1:
-                T.barrier_arrive(free[st])
-            elif tx % 32 == 0:
-                T.mbarrier_arrive(free[st], 0)
 
         @T.macro
         def begin_item(gm, sm, rf, qb, w, last: T.Ref, kt0: T.Ref, steps: T.Ref, kv_len: T.Ref, pos0: T.Ref,
@@ -309,12 +316,12 @@ class _ConsumerPhases:
                 T.wait_wgmma(1)
             else:
                 T.wait_wgmma(0)
-            release(sm.k_free, st, tx)
+            release(sm.k_free, st, tx, cluster)
             plan.shape_scores(rf.acc_s, rf.slope, kt, pos0, (lambda i: rf.q_mult[i]) if fp8 else None)
             plan.softmax_step(rf.acc_s, rf.m_cur, rf.m_prev, rf.rescale, rf.row_sum, rf.denom)
             T.wait_wgmma(0)
             if i > 0:
-                release(v.free, prev, tx)
+                release(v.free, prev, tx, v_cluster)
             for i, d in T.Parallel(block_M, head_dim):
                 rf.acc_o[i, d] *= rf.rescale[i]
             stage_p(rf, tx)
@@ -330,7 +337,7 @@ class _ConsumerPhases:
                 if not fp8 and steps * block_N > kv_len:
                     plan.zero_v_tail(v.ring, steps - 1, kv_len, last)
                 T.gemm(rf.acc_p, v.ring[last, :, :], rf.acc_o, transpose_B=fp8_pv, policy=T.GemmWarpPolicy.FullRow)
-                release(v.free, last, tx)
+                release(v.free, last, tx, v_cluster)
 
         @T.macro
         def store_item(gm, sm, rf, qb, q_begin: T.Ref, q0: T.Ref, head0: T.Ref, rows: T.Ref, tx):
@@ -387,7 +394,7 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
     consumer warp on rank 0's free barrier); the other ranks' producers only announce the bytes they
     expect, once the stage's previous fill has landed. K and V then have a producer warp each.
 
-    An 8-bit cache (`kv_dtype`, cluster 1): the scores run on FP8 tensor cores from K's TMA ring as stored, with
+    An 8-bit cache (`kv_dtype`): the scores run on FP8 tensor cores from K's TMA ring as stored, with
     each Q tile split once per item into e4m3 terms (TilePlan.split_q; two for bf16 q, three for fp16); producer
     warps 10 and 11 widen each landed V stage to fp16 (one cvt per pair of elements) into a ring of `v_widen` tiles,
     off the consumers' critical path, for an fp16 P @ V. `fp8_compute` (an 8-bit cache): q rounded to one e4m3 term, P to e4m3, V
@@ -400,7 +407,6 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
     head_groups = num_heads // plan.pack
     accum = "float32"
     # The producer loads the next item's Q while the consumers work on this one, when two Q tiles fit.
-    assert kv_bits == 16 or cluster == 1, "an 8-bit cache's converter warps take the warp a CTA pair needs for V"
     terms = q_terms(dtype, fp8_compute)
     fp8_pv = kv_bits == 8 and fp8_compute
     q_stages = 2 if ws_smem_fits(2, block_N, num_stages, head_dim, kv_bits, v_widen, terms, fp8_pv) else 1
@@ -450,9 +456,12 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                 T.annotate_layout({q_ring: make_swizzled_layout(q_ring)})
             k_full = T.alloc_barrier([32] * num_stages)  # the K/V warp arrives, TMA bytes complete it
             v_full = T.alloc_barrier([32] * num_stages)
-            if kv_bits == 8:  # V: the two converter warps' threads arrive when done reading
+            if kv_bits == 8 and cluster == 1:  # V: the two converter warps' threads arrive when done reading
                 k_free = T.alloc_barrier([256] * num_stages)
                 v_free = T.alloc_barrier([64] * num_stages)
+            elif kv_bits == 8:  # at rank 0's: the consumer warps (K), the converter warps (V) of every CTA
+                k_free = T.alloc_cluster_barrier([8 * cluster] * num_stages)
+                v_free = T.alloc_cluster_barrier([2 * cluster] * num_stages)
             elif cluster == 1:  # consumer threads arrive when done reading
                 k_free = T.alloc_barrier([256] * num_stages)
                 v_free = T.alloc_barrier([256] * num_stages)
