@@ -59,8 +59,8 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     head_dim]), the dtype from q, ALiBi when ``alibi_slopes`` ([num_heads] fp32) is given. ``scale``
     defaults to head_dim ** -0.5; ``validate``, ``window_left`` and ``logits_soft_cap`` as in
     ``PagedAttentionPrefillTileLang``; an FP8 (float8_e4m3fn) cache takes its scales as 1-element fp32 tensors
-    ``k_scale`` / ``v_scale`` (None: 1), and ``fp8_compute`` as the class's. Semantics: ``golden.paged_prefill.paged_attention_prefill``
-    (``return_lse``: use the class)."""
+    ``k_scale`` / ``v_scale`` (None: 1), and ``fp8_compute`` as the class's. Semantics:
+    ``golden.paged_prefill.paged_attention_prefill`` (``return_lse``: use the class)."""
     return torch.ops.llm_tile_ops.paged_attention_prefill(q, k_cache, v_cache, block_tables, seq_lens,
                                                           cum_seq_lens_q, alibi_slopes, scale, kv_layout, validate,
                                                           window_left, logits_soft_cap, k_scale, v_scale,

@@ -17,8 +17,8 @@ K / V tile: rank 0 multicasts it into both CTAs' rings, halving the L2 reads. On
 at the board's power cap, and the saved energy buys clock (1545 -> 1630 MHz at 4x4k).
 
 An 8-bit (FP8) cache: the scores run on FP8 tensor cores from K as stored, the Q tile split into e4m3 terms per
-item (two for bf16 q, three for fp16: exact); V is widened to fp16 by the producer warpgroup's two other warps into a ring of
-its own, off the consumers' critical path, for an fp16 P @ V. With `fp8_compute` both products run on FP8 (as
+item (two for bf16 q, three for fp16: exact); V is widened to fp16 by the producer warpgroup's two other warps into
+a ring of its own, off the consumers' critical path, for an fp16 P @ V. With `fp8_compute` both products run on FP8 (as
 FlashAttention-3's FP8 mode): q rounded to one e4m3 term, P rounded to e4m3 through shared memory, and the two warps
 transpose V's stages (FP8 products read both operands K-major) instead of widening them. In a CTA pair warp 8
 loads both 8-bit streams (the converter warps free V's stages ahead of the consumers).
@@ -52,7 +52,7 @@ _KVStream = namedtuple("_KVStream", "cache ring free full")
 _Global = namedtuple("_Global", "Q KCache VCache BlockTables SeqLens CumSeqLensQ AlibiSlopes KVScales TileSeq "
                                  "TileQ0 Out Lse Sched")
 # The ring the consumers read V from (ring, full / free mbarriers, depth): V's TMA ring, or for an 8-bit cache the
-# fp16 ring its converter warps fill.
+# ring its converter warps fill (fp16, or e4m3 transposed for an FP8 P @ V).
 _Ring = namedtuple("_Ring", "ring full free depth")
 # q_use: the Q tiles the scores read (q_ring, or with an 8-bit cache its e4m3 terms, see TilePlan.split_q).
 _Shared = namedtuple("_Shared", "q_ring k_ring v_ring k_full v_full k_free v_free q_full q_free item_s v_use q_use")
@@ -397,8 +397,8 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
     An 8-bit cache (`kv_dtype`): the scores run on FP8 tensor cores from K's TMA ring as stored, with
     each Q tile split once per item into e4m3 terms (TilePlan.split_q; two for bf16 q, three for fp16); producer
     warps 10 and 11 widen each landed V stage to fp16 (one cvt per pair of elements) into a ring of `v_widen` tiles,
-    off the consumers' critical path, for an fp16 P @ V. `fp8_compute` (an 8-bit cache): q rounded to one e4m3 term, P to e4m3, V
-    transposed by those warps, both products on FP8 tensor cores."""
+    off the consumers' critical path, for an fp16 P @ V. `fp8_compute` (an 8-bit cache): q rounded to one e4m3
+    term, P to e4m3, V transposed by those warps, both products on FP8 tensor cores."""
     block_M = WS_BLOCK_M
     plan = TilePlan(num_heads, num_kv_heads, head_dim, page_size, dtype, use_alibi, kv_layout, scale,
                     block_M, block_N, window_left, soft_cap, kv_dtype)
