@@ -17,6 +17,7 @@ from ops.paged_prefill import PagedAttentionPrefillTileLang
 from ops.paged_prefill import paged_attention_prefill as paged_attention_prefill_op
 from ops.paged_prefill.custom_ops import _spec as custom_op_spec
 from ops.paged_prefill.kernels import paged_prefill_kernel
+from ops.paged_prefill.kernels.tile_plan import PAIR_BYTES, ROW_BYTES, transpose_block
 from ops.paged_prefill.prefill import PrefillPlan
 from ops.paged_prefill.tiling import warp_specialized
 
@@ -508,6 +509,35 @@ def test_fp8_ws_config_space_builds():
     source = paged_prefill_kernel(**fp16, **PagedAttentionPrefillTileLang.default_config(fp16))
     kernel, = compile_kernels(source, pass_configs=PagedAttentionPrefillTileLang.tunable_pass_configs(fp16))
     assert kernel.get_kernel_source().count("kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 3  # three terms of q
+
+
+def _byte_perm(x: int, y: int, selector: int) -> int:
+    """CUDA's __byte_perm: result byte i is byte (selector nibble i) of the 8 bytes y:x (x low)."""
+    both = x | y << 32
+    return sum((both >> 8 * (selector >> 4 * i & 7) & 0xFF) << 8 * i for i in range(4))
+
+
+def test_fp8_compute_transpose_plan():
+    """fp8_compute's V transpose (TilePlan.transpose_v), emulated: the converter lanes' rounds take every 8 x 8 byte
+    block of a V stage exactly once at each (block_N, head_dim) a config builds; at 128-byte rows each 16 lanes load
+    16 different 8-byte columns; and the byte permutes turn four keys' words into four dims' words."""
+    for block_N, head_dim in [(128, 64), (128, 128), (64, 256), (64, 64), (64, 128)]:
+        rounds = block_N * head_dim // (64 * 64)
+        blocks = [transpose_block(lane, b, block_N, head_dim) for b in range(rounds) for lane in range(64)]
+        assert sorted(blocks) == [(j, d) for j in range(0, block_N, 8) for d in range(0, head_dim, 8)]
+    for b in range(2):
+        for group in range(4):
+            cols = {transpose_block(lane, b, 128, 128)[1] for lane in range(16 * group, 16 * group + 16)}
+            assert len(cols) == 16
+    rng = random.Random(5)
+    rows = [[rng.randrange(256) for _ in range(4)] for _ in range(4)]  # rows[key][dim]
+    words = [sum(v << 8 * i for i, v in enumerate(r)) for r in rows]
+    out = {}
+    for k, pair in enumerate(PAIR_BYTES):
+        ab, cd = _byte_perm(words[0], words[1], pair), _byte_perm(words[2], words[3], pair)
+        for i, row in enumerate(ROW_BYTES):
+            out[2 * k + i] = _byte_perm(ab, cd, row)
+    assert [[out[d] >> 8 * key & 0xFF for key in range(4)] for d in range(4)] == [list(c) for c in zip(*rows)]
 
 
 @pytest.mark.compile

@@ -9,6 +9,20 @@ from ...common.tl.softmax import NEG, online_softmax_step
 from ..tiling import BITS, head_pack, tile_tokens
 
 
+# A 4 x 4 byte transpose of four 32-bit words a, b, c, d (rows): PAIR_BYTES[k] = __byte_perm selectors of
+# (a, b) and (c, d) interleaving their bytes 2k, 2k + 1; ROW_BYTES[i] of the two results, output row 2k + i.
+PAIR_BYTES = (0x5140, 0x7362)
+ROW_BYTES = (0x5410, 0x7632)
+
+
+def transpose_block(lane, b, block_N, head_dim):
+    """(first key, first dim) of the 8 x 8 byte block of V that converter lane `lane` (0-63) transposes in round
+    `b` of `TilePlan.transpose_v` (Python ints or TileLang expressions)."""
+    key_blocks, dim_blocks = block_N // 8, head_dim // 8
+    jb = lane % key_blocks
+    return jb * 8, (jb + b * (64 // key_blocks) + lane // key_blocks) % dim_blocks * 8
+
+
 class TilePlan:
     """What both kernels share: shapes, the query tile of a CTA, page copies, mask, softmax and the
     output store. M-row r of a tile is token r // pack, head r % pack."""
@@ -213,15 +227,12 @@ class TilePlan:
             # key blocks (at block_N 128) and dim blocks rotated by the key block: a load of 16 lanes reads 16
             # different 8-byte columns of V's rows (one 128-byte line each), a store writes row r of 16 dim blocks
             # (rows r mod 8 alike) at 16 different key chunks of the swizzled `dst`: no bank conflicts either way.
-            key_blocks, dim_blocks = block_N // 8, head_dim // 8
             raw = T.alloc_local((8, 8), ring.dtype)
             tr = T.alloc_local((8, 8), ring.dtype)
             rw = T.view(raw, (8, 2), "uint32")  # rw[key, h]: dims 4 h .. 4 h + 3 of a key
             tw = T.view(tr, (8, 2), "uint32")  # tw[dim, h]: keys 4 h .. 4 h + 3 of a dim
-            for b in T.unroll(key_blocks * dim_blocks // 64):
-                jb = lane % key_blocks
-                j0 = jb * 8
-                d0 = (jb + b * (64 // key_blocks) + lane // key_blocks) % dim_blocks * 8
+            for b in T.unroll(block_N * head_dim // (64 * 64)):
+                j0, d0 = transpose_block(lane, b, block_N, head_dim)
                 for c in T.unroll(8):
                     for e in T.vectorized(8):
                         raw[c, e] = ring[st, j0 + c, d0 + e]
@@ -232,10 +243,10 @@ class TilePlan:
                 for hd in T.unroll(2):  # dims 4 hd ..: word hd of the keys' rows
                     for hk in T.unroll(2):  # keys 4 hk ..: word hk of the dims' rows
                         k4 = [rw[4 * hk + i, hd] for i in range(4)]
-                        lo = [byte_perm(k4[0], k4[1], 0x5140), byte_perm(k4[2], k4[3], 0x5140)]  # bytes 0, 1
-                        hi = [byte_perm(k4[0], k4[1], 0x7362), byte_perm(k4[2], k4[3], 0x7362)]  # bytes 2, 3
-                        for i, (pair, sel) in enumerate(((lo, 0x5410), (lo, 0x7632), (hi, 0x5410), (hi, 0x7632))):
-                            tw[4 * hd + i, hk] = byte_perm(pair[0], pair[1], sel)
+                        for k, pair in enumerate(PAIR_BYTES):
+                            ab, cd = byte_perm(k4[0], k4[1], pair), byte_perm(k4[2], k4[3], pair)
+                            for i, row in enumerate(ROW_BYTES):
+                                tw[4 * hd + 2 * k + i, hk] = byte_perm(ab, cd, row)
                 for r in T.unroll(8):
                     for e in T.vectorized(8):
                         dst[ds, d0 + r, j0 + e] = tr[r, e]
