@@ -29,20 +29,21 @@ def q_terms(dtype: str, fp8_compute: bool = False) -> int:
 
 
 def ws_smem_bytes(q_tiles: int, block_N: int, num_stages: int, head_dim: int, kv_bits: int = 16,
-                  v_widen: int = 1, terms: int = 2, fp8_pv: bool = False) -> int:
+                  v_widen: int = 1, dtype: str = "bfloat16", fp8_compute: bool = False) -> int:
     """Shared memory of the warp-specialized kernel's Q tiles (16-bit) and K / V rings (`kv_bits`); an
-    8-bit cache adds each Q tile's `terms` e4m3 terms (`q_terms`) and the ring of `v_widen` V tiles its
-    converter warps fill from the V stages: fp16, or with `fp8_pv` (an FP8 P @ V) e4m3, transposed, plus P's
-    e4m3 tile."""
-    q = q_tiles * WS_BLOCK_M * (2 + terms if kv_bits == 8 else 2)
-    kv = 2 * num_stages * block_N * kv_bits // 8 + (v_widen * block_N * (1 if fp8_pv else 2) if kv_bits == 8 else 0)
-    return (q + kv) * head_dim + (WS_BLOCK_M * block_N if fp8_pv else 0)
+    8-bit cache adds each Q tile's e4m3 terms (`q_terms` of q's `dtype`) and the ring of `v_widen` V tiles its
+    converter warps fill from the V stages: fp16, or with `fp8_compute` e4m3, transposed, plus P's e4m3 tile."""
+    if kv_bits == 16:
+        return (q_tiles * WS_BLOCK_M * 2 + 2 * num_stages * block_N * 2) * head_dim
+    q = q_tiles * WS_BLOCK_M * (2 + q_terms(dtype, fp8_compute))
+    kv = 2 * num_stages * block_N + v_widen * block_N * (1 if fp8_compute else 2)
+    return (q + kv) * head_dim + (WS_BLOCK_M * block_N if fp8_compute else 0)
 
 
 def ws_smem_fits(q_tiles: int, block_N: int, num_stages: int, head_dim: int, kv_bits: int = 16,
-                 v_widen: int = 1, terms: int = 2, fp8_pv: bool = False) -> bool:
+                 v_widen: int = 1, dtype: str = "bfloat16", fp8_compute: bool = False) -> bool:
     """Whether they fit the shared memory a CTA may use (barriers and alignment aside: under 1 KB)."""
-    return ws_smem_bytes(q_tiles, block_N, num_stages, head_dim, kv_bits, v_widen, terms, fp8_pv) <= SMEM_BUDGET
+    return ws_smem_bytes(q_tiles, block_N, num_stages, head_dim, kv_bits, v_widen, dtype, fp8_compute) <= SMEM_BUDGET
 
 
 def head_pack(num_heads: int, num_kv_heads: int, block_M: int) -> int:
@@ -76,8 +77,8 @@ def default_config(head_dim: int, dtype: str, page_size: int, kv_bits: int = 16,
         block_N = 64 if head_dim == 256 else 128
         cluster = 2 if page_size >= MULTICAST_PAGES_FROM else 1
         if kv_bits == 8:  # the deepest rings that fit beside one Q tile (192 KB at head_dim 128)
-            stages, v = next(c for c in _WIDEN_DEPTHS if ws_smem_fits(
-                1, block_N, c[0], head_dim, 8, c[1], q_terms(dtype, fp8_compute), fp8_compute))
+            stages, v = next(c for c in _WIDEN_DEPTHS
+                             if ws_smem_fits(1, block_N, c[0], head_dim, 8, c[1], dtype, fp8_compute))
             return {"block_N": block_N, "num_stages": stages, "cluster": cluster, "v_widen": v}
         return {"block_N": block_N, "num_stages": 2, "cluster": cluster}
     # Whole-page (TMA) loads run two stages; the row gathers of smaller pages do not lower with two.
@@ -96,7 +97,7 @@ def config_space(head_dim: int, dtype: str, page_size: int, kv_bits: int = 16, f
             n = default_config(head_dim, dtype, page_size, kv_bits)["block_N"]
             return [{"block_N": n, "num_stages": s, "cluster": c, "v_widen": v}
                     for s in (1, 2, 3) for v in (1, 2, 3) for c in (1, 2)
-                    if ws_smem_fits(1, n, s, head_dim, 8, v, q_terms(dtype, fp8_compute), fp8_compute)]
+                    if ws_smem_fits(1, n, s, head_dim, 8, v, dtype, fp8_compute)]
         # Q plus num_stages x (K and V tiles) within shared memory.
         return [{"block_N": n, "num_stages": s, "cluster": c} for n in (64, 128) for s in (2, 3) for c in (1, 2)
                 if ws_smem_fits(1, n, s, head_dim)]

@@ -409,13 +409,12 @@ def paged_prefill_ws_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
     # The producer loads the next item's Q while the consumers work on this one, when two Q tiles fit.
     terms = q_terms(dtype, fp8_compute)
     fp8_pv = kv_bits == 8 and fp8_compute
-    q_stages = 2 if ws_smem_fits(2, block_N, num_stages, head_dim, kv_bits, v_widen, terms, fp8_pv) else 1
+    q_stages = 2 if ws_smem_fits(2, block_N, num_stages, head_dim, kv_bits, v_widen, dtype, fp8_pv) else 1
     # Full tiles stage O in their Q buffer and store it by TMA, split over the 8 consumer warps.
     tma_out = plan.tokens % 8 == 0
     # A persistent grid of clusters holds only those resident at once (one CTA per SM).
     num_clusters = num_ctas if cluster == 1 else min(num_ctas // cluster, max_active_clusters(
-        cluster, WS_THREADS, ws_smem_bytes(q_stages, block_N, num_stages, head_dim, kv_bits, v_widen, terms,
-                                                     fp8_pv)))
+        cluster, WS_THREADS, ws_smem_bytes(q_stages, block_N, num_stages, head_dim, kv_bits, v_widen, dtype, fp8_pv)))
     producer = _ProducerPhases(plan, num_stages, q_stages, cluster, num_clusters, head_groups, fp8_pv).producer
     consumer = _ConsumerPhases(plan, head_dim, dtype, use_alibi, num_stages, q_stages, cluster, tma_out,
                                fp8_pv).consumer
