@@ -489,6 +489,16 @@ def test_ws_config_space_builds():
         assert ("cudaGridDependencySynchronize" in source) == (config["cluster"] > 1)
 
 
+def _build_fp8_config_space(op_spec):
+    """The kernels of every config the autotuner may pick for an 8-bit cache's specialization `op_spec` (ring depths
+    of the 8-bit stages and of the converted V, CTA pairs or not), built."""
+    space = PagedAttentionPrefillTileLang.config_space(op_spec)
+    assert {(c["num_stages"], c["v_widen"]) for c in space} >= {(1, 1), (2, 2), (3, 3)}
+    assert {c["cluster"] for c in space} == {1, 2}
+    return compile_kernels(*(paged_prefill_kernel(**op_spec, **c) for c in space),
+                           pass_configs=PagedAttentionPrefillTileLang.tunable_pass_configs(op_spec))
+
+
 @pytest.mark.compile
 def test_fp8_ws_config_space_builds():
     """An 8-bit cache on the warp-specialized kernel: every config offered to the autotuner (ring depths of the
@@ -497,12 +507,7 @@ def test_fp8_ws_config_space_builds():
     spec = dict(num_heads=8, num_kv_heads=1, head_dim=64, page_size=32, dtype=torch.bfloat16,
                 kv_dtype=torch.float8_e4m3fn)
     op_spec = PagedAttentionPrefillTileLang(**spec).spec
-    space = PagedAttentionPrefillTileLang.config_space(op_spec)
-    assert {(c["num_stages"], c["v_widen"]) for c in space} >= {(1, 1), (2, 2), (3, 3)}
-    assert {c["cluster"] for c in space} == {1, 2}
-    kernels = compile_kernels(*(paged_prefill_kernel(**op_spec, **c) for c in space),
-                              pass_configs=PagedAttentionPrefillTileLang.tunable_pass_configs(op_spec))
-    for kernel in kernels:
+    for kernel in _build_fp8_config_space(op_spec):
         source = kernel.get_kernel_source()
         assert "__tl_cvt_fp8x2_to_half2" in source and source.count("kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 2
     fp16 = dict(op_spec, dtype="float16")
@@ -552,11 +557,8 @@ def test_fp8_compute_builds(head_dim):
     assert "__tl_cvt_fp8x2_to_half2" not in source
     # the scores (one term), P @ V in the KV loop and after it
     assert source.count("kFloat8_e4m3, tl::DataType::kFloat8_e4m3") == 3
-    if head_dim == 64:  # every ring depth the autotuner may pick
-        space = PagedAttentionPrefillTileLang.config_space(op.spec)
-        assert {(c["num_stages"], c["v_widen"]) for c in space} >= {(1, 1), (2, 2), (3, 3)}
-        compile_kernels(*(paged_prefill_kernel(**op.spec, **c) for c in space),
-                        pass_configs=PagedAttentionPrefillTileLang.tunable_pass_configs(op.spec))
+    if head_dim == 64:
+        _build_fp8_config_space(op.spec)
 
 
 # ----------------------------------------------------------------------------- API: deprecated names, protocol
