@@ -335,7 +335,7 @@ def _round_q_like_fp8_compute(q):
     q = q.float()
     big = q.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -120)
     s = torch.exp2(torch.floor(torch.log2(big)) - 7)
-    return ((q / s).to(FP8).float() * s).to(q.dtype)
+    return (q / s).to(FP8).float() * s
 
 
 def _check_fp8_compute(spec, q_lens, histories, poisoned, config=None):
