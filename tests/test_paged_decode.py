@@ -14,7 +14,7 @@ from ops.paged_decode import DecodePlan, PagedAttentionDecodeTileLang
 from ops.paged_decode import paged_attention_decode as paged_attention_decode_op
 from ops.paged_decode import schedule
 from ops.paged_decode.custom_ops import _spec as custom_op_spec
-from ops.paged_decode.kernels import paged_decode_fp8_kernel, paged_decode_split_kernel
+from ops.paged_decode.kernels import paged_decode_split_kernel, paged_decode_warps_kernel
 from test_paged_prefill import paged_cache  # tests/ is on sys.path under pytest
 
 FP8 = torch.float8_e4m3fn
@@ -175,7 +175,8 @@ SPEC = dict(num_heads=8, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch
     (dict(config={"block_M": 64}), ValueError, "config: unknown keys"),
     (dict(config={"block_N": 16}), ValueError, "block_N"),
     (dict(head_dim=256, config={"block_N": 128}), ValueError, "exceed shared memory"),
-    (dict(page_size=8, config={"num_stages": 2}), ValueError, "num_stages"),
+    (dict(head_dim=256, page_size=8, config={"num_stages": 2}), ValueError, "num_stages"),  # split_kv's row gathers
+    (dict(config={"num_stages": 5}), ValueError, "num_stages"),  # the warp-split kernel's rings
 ])
 def test_constructor_rejects(kwargs, err, match):
     with pytest.raises(err, match=match):
@@ -329,9 +330,11 @@ def test_compiles_for_sm90a(spec):
     op = PagedAttentionDecodeTileLang(**spec)
     split = op.split_kernel.get_kernel_source()
     assert "paged_decode_combine" in op.combine_kernel.get_kernel_source()
-    if op._widens_in_registers(op.spec):  # the FP8 kernel that widens in registers: cp.async rows, mma.sync
-        assert "paged_decode_fp8" in split and "cp_async" in split and "tma_load" not in split
-        assert "mma_sync" in split and "__tl_cvt_fp8x2_to_half2" in split
+    if op._splits_keys_over_warps(op.spec):  # mma.sync on fragments placed by hand; TMA pages or cp.async rows
+        tma = schedule.loads_by_tma(spec["page_size"], op.config["block_N"])
+        assert "paged_decode_warps" in split and "mma_sync" in split
+        assert ("tma_load" in split) == tma and ("cp_async" in split) == (not tma)
+        assert ("__tl_cvt_fp8x2_to_half2" in split) == (spec.get("kv_dtype") == FP8)
         return
     assert "paged_decode_split" in split
     # pages of >= 16 rows: TMA page copies; smaller: cp.async row gathers
@@ -349,14 +352,17 @@ def test_protocol():
         default, space = cls.default_config(spec), cls.config_space(spec)
         assert space and all(set(c) <= set(default) for c in space)
         assert default["num_stages"] in schedule.pipeline_stages(page_size)
-    fp8 = dict(cls.warm_specs[1], dtype="bfloat16", kv_dtype="float8_e4m3fn")  # 4 rows: the register kernel
-    assert cls.tunable_kernel(fp8) is paged_decode_fp8_kernel
-    # the autotuner builds it as the op does: with the kernel's own barriers only
-    assert cls.tunable_pass_configs(fp8) == {"tl.disable_thread_storage_sync": True}
-    assert cls.tunable_pass_configs(dict(fp8, kv_dtype="bfloat16")) is None
-    default, space = cls.default_config(fp8), cls.config_space(fp8)
-    assert default["num_stages"] in schedule.FRAGMENT_STAGES and space
-    assert all(c["block_N"] in (64, 128) and c["num_stages"] in schedule.FRAGMENT_STAGES for c in space)
+    for kv_dtype in ("bfloat16", "float8_e4m3fn"):  # 4 rows, head_dim 128: the warp-split kernel
+        spec = dict(cls.warm_specs[1], dtype="bfloat16", kv_dtype=kv_dtype)
+        assert cls.tunable_kernel(spec) is paged_decode_warps_kernel
+        # the autotuner builds it as the op does: with the kernel's own barriers only
+        assert cls.tunable_pass_configs(spec) == {"tl.disable_thread_storage_sync": True}
+        default, space = cls.default_config(spec), cls.config_space(spec)
+        assert default["block_N"] == (128 if kv_dtype == "float8_e4m3fn" else 64) and default["min_blocks"] == 3
+        assert default["num_stages"] in schedule.WARP_STAGES and space
+        assert all(c["block_N"] in (64, 128) and c["num_stages"] in schedule.WARP_STAGES for c in space)
+        wide = dict(spec, head_dim=256)  # head_dim 256: split_kv, TileLang's barriers
+        assert cls.tunable_kernel(wide) is paged_decode_split_kernel and cls.tunable_pass_configs(wide) is None
 
 
 # ----------------------------------------------------------------------------- custom ops (fake / meta)
@@ -422,27 +428,33 @@ def test_fp8_shared_memory_model():
     assert schedule.smem_bytes(4, 64, 2, 128, fp8=False) == qp + 2 * 2 * tile
     for fp8 in (False, True):
         assert schedule.default_config(128, 64, rows=4, fp8=fp8)["min_blocks"] == 3
-    assert schedule.widens_in_registers(4, 128, True) and not schedule.widens_in_registers(4, 128, False)
-    assert not schedule.widens_in_registers(17, 128, True) and not schedule.widens_in_registers(4, 256, True)
-    assert schedule.fragment_smem_bytes(64, 4, 128) == 4 * 2 * 64 * 128
-    assert schedule.fragment_smem_bytes(64, 2, 64) == 4 * 32 * 36 * 4 + 4 * 16 * 2 * 4  # the merge is larger
+    assert schedule.splits_keys_over_warps(16, 128) and schedule.splits_keys_over_warps(4, 64)
+    assert not schedule.splits_keys_over_warps(17, 128) and not schedule.splits_keys_over_warps(4, 256)
+    assert schedule.warp_smem_bytes(64, 4, 128, 1) == 4 * 2 * 64 * 128
+    assert schedule.warp_smem_bytes(64, 2, 128, 2) == 2 * 2 * 64 * 128 * 2
+    assert schedule.warp_smem_bytes(64, 2, 64, 1) == 4 * 32 * 36 * 4 + 4 * 16 * 2 * 4  # the merge is larger
+    # TMA for tiles of at most 4 pages (one thread reads a table entry per page), else cp.async rows
+    assert schedule.loads_by_tma(16, 64) and schedule.loads_by_tma(256, 128)
+    assert not schedule.loads_by_tma(16, 128) and not schedule.loads_by_tma(8, 64)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_register_kernel_swizzle(head_dim):
-    """The register-widening FP8 kernel's shared rows (kernels/split_kv_fp8.py `swizzled`): every 16-byte unit of a
-    128-key tile has its own slot, and at head_dim 128 a warp's fragment loads are free of bank conflicts: each
-    quarter warp's 16-byte K loads (lane (g, t): row 8 j + g, bytes 32 t + 16 c) and V loads (rows 2 t + e + 8 h,
-    bytes 16 g) cover the 8 distinct 16-byte bank groups."""
-    from ops.paged_decode.kernels.split_kv_fp8 import swizzled
+def test_warp_kernel_swizzle(head_dim):
+    """The warp-split kernel's shared rows when it gathers them by cp.async (kernels/split_kv_warps.py `swizzled`):
+    every 16-byte unit of a 128-key tile has its own slot, 8- and 16-bit; and at head_dim 128 an FP8 warp's fragment
+    loads are free of bank conflicts: each quarter warp's 16-byte K loads (lane (g, t): row 8 j + g, bytes 32 t +
+    16 c) and V loads (rows 2 t + e + 8 h, bytes 16 g) cover the 8 distinct 16-byte bank groups."""
+    from ops.paged_decode.kernels.split_kv_warps import swizzled
 
-    def slot(row, byte):
-        return int(swizzled(row, byte, head_dim))
-
-    units = [slot(r, 16 * u) for r in range(128) for u in range(head_dim // 16)]
-    assert sorted(units) == list(range(0, 128 * head_dim, 16))
+    for size in (1, 2):  # bytes an element
+        unit = 16 // size
+        units = [int(swizzled(r, unit * u, head_dim, unit)) for r in range(128) for u in range(head_dim // unit)]
+        assert sorted(units) == list(range(0, 128 * head_dim, unit))
     if head_dim != 128:
         return
+
+    def slot(row, byte):
+        return int(swizzled(row, byte, head_dim, 16))
 
     def conflict_free(addrs):  # 8 lanes' 16-byte loads: one 128-byte wavefront
         return len({a % 128 // 16 for a in addrs}) == 8

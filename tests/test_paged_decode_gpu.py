@@ -46,15 +46,16 @@ GPU_CASES = [
      [1, 4, 5, 700], (None, None)),
     (dict(num_heads=8, num_kv_heads=4, head_dim=256, page_size=32, dtype=torch.bfloat16, kv_dtype=FP8,
           use_alibi=True, num_q_tokens=2), [2, 31, 1500], (0.8, 1.1)),
-    # the register-widening FP8 kernel at its limits: 16 rows (8 heads x 2 tokens), 256-row pages and a window;
-    # 15 rows (3 heads x 5 tokens), head_dim 64, one-row pages, NHD, ALiBi and a soft cap
+    # the warp-split kernel at its limits: 16 rows (8 heads x 2 tokens), 256-row pages and a window; 15 rows (3
+    # heads x 5 tokens), head_dim 64, one-row pages, NHD, ALiBi and a soft cap
     (dict(num_heads=16, num_kv_heads=2, head_dim=128, page_size=256, dtype=torch.float16, kv_dtype=FP8,
           window_left=1000, num_q_tokens=2), [2, 255, 257, 7000], (0.9, 1.2)),
     (dict(num_heads=12, num_kv_heads=4, head_dim=64, page_size=1, dtype=torch.bfloat16, kv_dtype=FP8,
           kv_layout="NHD", use_alibi=True, logits_soft_cap=15.0, num_q_tokens=5), [5, 6, 1234], (1.1, 0.6)),
 ]
-# GPU_CASES run by the register-widening FP8 kernel (the rest by split_kv)
-FRAGMENT_CASES = [8, 9, 10, 12, 13]
+# GPU_CASES run by the warp-split kernel (<= 16 rows, head_dim <= 128; the rest by split_kv): its TMA pages at
+# 0, 1, 6 (16-bit) and 9, 12 (FP8), its cp.async rows at 2, 7 (16-bit) and 8, 10, 13 (FP8)
+WARP_CASES = [0, 1, 2, 6, 7, 8, 9, 10, 12, 13]
 
 
 def _case(case, splits="default"):
@@ -86,7 +87,7 @@ def _check(spec, got, lse, want, want_lse):
 @pytest.mark.parametrize("case", range(len(GPU_CASES)))
 def test_matches_golden(case, splits, poisoned):
     spec, op, batch, scales = _case(case, splits)
-    assert ("paged_decode_fp8" in op.split_kernel.get_kernel_source()) == (case in FRAGMENT_CASES)
+    assert ("paged_decode_warps" in op.split_kernel.get_kernel_source()) == (case in WARP_CASES)
     with poisoned():
         plan = op.plan(batch["block_tables"], batch["seq_lens"])
         got, lse = op.run(batch["q"], batch["k_cache"], batch["v_cache"], plan, batch["alibi_slopes"], **scales,
@@ -101,12 +102,13 @@ def test_matches_golden(case, splits, poisoned):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [dict(block_N=128, num_stages=3), dict(block_N=64, num_stages=2),
                                     dict(block_N=64, num_stages=6), dict(block_N=128, num_stages=2)])
-@pytest.mark.parametrize("case", [8, 12])
-def test_fp8_register_kernel_configs(case, config, poisoned):
-    """The register-widening kernel's tile sizes (16 and 32 keys a warp) and ring depths, with many splits."""
+@pytest.mark.parametrize("case", [0, 8, 12])
+def test_warp_kernel_configs(case, config, poisoned):
+    """The warp-split kernel's tile sizes (16 and 32 keys a warp) and ring depths, with many splits, on 16-bit and
+    FP8 caches (TMA pages, or cp.async rows where a tile spans more than 4 pages)."""
     spec, _, batch, scales = _case(case)
     op = PagedAttentionDecodeTileLang(**spec, config=dict(config, **SPLITS["many"]))
-    assert "paged_decode_fp8" in op.split_kernel.get_kernel_source()
+    assert "paged_decode_warps" in op.split_kernel.get_kernel_source()
     with poisoned():
         got, lse = op(batch["q"], batch["k_cache"], batch["v_cache"], batch["block_tables"], batch["seq_lens"],
                       batch["alibi_slopes"], return_lse=True, **scales)

@@ -22,7 +22,7 @@ from ..common.runtime import OWN_BARRIERS, compile_kernels, resolve_config, sm_c
 from ..common.validate import (check_bool, check_choice, check_float, check_int, check_scale, check_tensor,
                                dtype_name)
 from . import schedule
-from .kernels import paged_decode_combine_kernel, paged_decode_fp8_kernel, paged_decode_split_kernel
+from .kernels import paged_decode_combine_kernel, paged_decode_split_kernel, paged_decode_warps_kernel
 
 DTYPES = (torch.float16, torch.bfloat16)
 FP8 = torch.float8_e4m3fn
@@ -94,28 +94,28 @@ class PagedAttentionDecodeTileLang(Op):
         return schedule.default_config(spec["head_dim"], spec["page_size"], rows, spec.get("kv_dtype") == _TL_FP8)
 
     @staticmethod
-    def _widens_in_registers(spec: dict) -> bool:
-        """Whether ``spec`` runs the register-widening FP8 kernel (a partial spec: no)."""
+    def _splits_keys_over_warps(spec: dict) -> bool:
+        """Whether ``spec`` runs the warp-split kernel (a partial spec: no)."""
         if "num_heads" not in spec:
             return False
         nq = spec.get("num_q_tokens", 1)
         rows = schedule.head_pack(spec["num_heads"], spec["num_kv_heads"], nq) * nq
-        return schedule.widens_in_registers(rows, spec["head_dim"], spec.get("kv_dtype") == _TL_FP8)
+        return schedule.splits_keys_over_warps(rows, spec["head_dim"])
 
     @classmethod
     def config_space(cls, spec: dict) -> list[dict]:
-        if cls._widens_in_registers(spec):
-            return schedule.fragment_config_space(spec["head_dim"])
+        if cls._splits_keys_over_warps(spec):
+            return schedule.warp_config_space(spec["head_dim"], 1 if spec.get("kv_dtype") == _TL_FP8 else 2)
         return schedule.config_space(spec.get("head_dim", 128), spec.get("page_size", 16))
 
     @classmethod
     def tunable_kernel(cls, spec: dict):
-        return paged_decode_fp8_kernel if cls._widens_in_registers(spec) else paged_decode_split_kernel
+        return paged_decode_warps_kernel if cls._splits_keys_over_warps(spec) else paged_decode_split_kernel
 
     @classmethod
     def tunable_pass_configs(cls, spec: dict) -> dict | None:
-        # the register-widening kernel places its own block barriers (one per tile)
-        return OWN_BARRIERS if cls._widens_in_registers(spec) else None
+        # the warp-split kernel places its own block barriers (one per tile)
+        return OWN_BARRIERS if cls._splits_keys_over_warps(spec) else None
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype | None = None, use_alibi: bool = False, window_left: int = -1,
@@ -150,11 +150,11 @@ class PagedAttentionDecodeTileLang(Op):
                      "scale": scale, "kv_layout": kv_layout, "num_q_tokens": num_q_tokens}
         self.config = resolve_config(self.op_name, self.spec, config, self.default_config(self.spec))
         cfg = self.config
-        in_registers = self._widens_in_registers(self.spec)
-        if in_registers:  # 16 or 32 keys a warp
+        if self._splits_keys_over_warps(self.spec):  # 16 or 32 keys a warp
             check_choice("config['block_N']", cfg["block_N"], (64, 128))
-            check_choice("config['num_stages']", cfg["num_stages"], schedule.FRAGMENT_STAGES)
-            fits = schedule.fragment_smem_bytes(cfg["block_N"], cfg["num_stages"], head_dim) <= schedule.SMEM_LIMIT
+            check_choice("config['num_stages']", cfg["num_stages"], schedule.WARP_STAGES)
+            fits = schedule.warp_smem_bytes(cfg["block_N"], cfg["num_stages"], head_dim,
+                                            kv_dtype.itemsize) <= schedule.SMEM_LIMIT
         else:
             check_choice("config['block_N']", cfg["block_N"], (32, 64, 128))  # >= 8 columns per warp
             check_choice("config['num_stages']", cfg["num_stages"], schedule.pipeline_stages(page_size))

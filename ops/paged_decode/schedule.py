@@ -54,24 +54,33 @@ def min_blocks(rows: int, block_N: int, num_stages: int, head_dim: int, fp8: boo
     return ctas_for_smem(smem_bytes(rows, block_N, num_stages, head_dim, fp8))
 
 
-# The FP8 kernel that widens K and V in registers (kernels/split_kv_fp8.py): a 16-row query tile whose q and output
-# fragments stay in registers, so head_dim up to 128.
-FRAGMENT_HEAD_DIMS = (64, 128)
-FRAGMENT_ROWS = 16
-FRAGMENT_STAGES = (2, 3, 4, 6)
+# The kernel whose warps split the keys (kernels/split_kv_warps.py), 16-bit and FP8 caches: a 16-row query tile
+# whose q and output fragments stay in registers, so head_dim up to 128.
+WARP_HEAD_DIMS = (64, 128)
+WARP_ROWS = 16
+WARP_STAGES = (2, 3, 4, 6)
+# Its tiles arrive by TMA (a box per page and 128-byte band, issued by one thread behind each page's table read)
+# when a tile spans at most this many pages, else row by row (cp.async, every thread): FP8 at 16-row pages (8 a
+# 128-key tile) measured 18% slower by TMA, 16-bit ones (4 a 64-key tile) 3-5% faster than the split_kv kernel.
+TMA_PAGES_PER_TILE = 4
 
 
-def widens_in_registers(rows: int, head_dim: int, fp8: bool) -> bool:
-    """Whether the decode runs the FP8 kernel that widens K and V straight into its mma fragments (one 16-row
-    tile, head_dim <= 128); other FP8 specializations widen in shared memory (``split_kv``)."""
-    return fp8 and rows <= FRAGMENT_ROWS and head_dim in FRAGMENT_HEAD_DIMS
+def loads_by_tma(page_size: int, block_N: int) -> bool:
+    """Whether the warp-split kernel loads its tiles by TMA (else by cp.async row gathers)."""
+    return block_N <= TMA_PAGES_PER_TILE * page_size
 
 
-def fragment_smem_bytes(block_N: int, num_stages: int, head_dim: int) -> int:
-    """Shared memory of the register-widening kernel: its ring of 8-bit K and V tiles, which the warps' merge
-    at the end reuses (four warps x 32 lanes x (head_dim / 2 + 4) fp32 outputs, and the rows' max and sum)."""
+def splits_keys_over_warps(rows: int, head_dim: int) -> bool:
+    """Whether the decode runs the kernel whose warps split the keys (one 16-row tile, head_dim <= 128); other
+    specializations run ``split_kv`` (FP8 widened in shared memory there)."""
+    return rows <= WARP_ROWS and head_dim in WARP_HEAD_DIMS
+
+
+def warp_smem_bytes(block_N: int, num_stages: int, head_dim: int, kv_bytes: int) -> int:
+    """Shared memory of the warp-split kernel: its ring of K and V tiles as stored, which the warps' merge at the
+    end reuses (four warps x 32 lanes x (head_dim / 2 + 4) fp32 outputs, and the rows' max and sum)."""
     merge = 4 * 32 * (head_dim // 2 + 4) * 4 + 4 * 16 * 2 * 4
-    return max(num_stages * 2 * block_N * head_dim, merge)
+    return max(num_stages * 2 * block_N * head_dim * kv_bytes, merge)
 
 
 def pipeline_stages(page_size: int) -> tuple[int, ...]:
@@ -81,25 +90,27 @@ def pipeline_stages(page_size: int) -> tuple[int, ...]:
 
 
 def default_config(head_dim: int, page_size: int, rows: int = ROWS_MAX, fp8: bool = True) -> dict:
-    """For the register-widening FP8 kernel (``widens_in_registers``): 128-token tiles (32 keys a warp) in a ring
-    of 2 (64 KiB at head_dim 128: three CTAs per SM, each with a tile in flight while it computes one; measured
-    2-7% faster than 64-token tiles in rings of 2-4). Otherwise: block_N: KV tokens per pipeline stage (16 KiB of
+    """For the warp-split kernel (``splits_keys_over_warps``): 64 KiB rings of 2 at head_dim 128 (three CTAs per SM,
+    each with a tile in flight while it computes one): 128-token tiles (32 keys a warp) for FP8 (measured 2-7% faster
+    than 64-token tiles in rings of 2-4), 64-token ones for 16-bit caches. Otherwise: block_N: KV tokens per pipeline stage (16 KiB of
     K per stage at 16-bit, head_dim 128; FP8 keeps the rows and halves the bytes); num_stages: K/V tiles in
     flight. Both: min_blocks: CTAs per SM the registers are budgeted for (rows and fp8 size the shared memory);
     ctas_per_sm: the split rule's target of CTAs per SM over the whole grid (several waves, so a GPU shared with
     another stream only adds waves); min_split_tiles: the shortest split worth its partial write and combine."""
-    if widens_in_registers(rows, head_dim, fp8):
-        return {"block_N": 128, "num_stages": 2, "min_blocks": ctas_for_smem(fragment_smem_bytes(128, 2, head_dim)),
+    if splits_keys_over_warps(rows, head_dim):
+        block_N = 128 if fp8 else 64
+        return {"block_N": block_N, "num_stages": 2,
+                "min_blocks": ctas_for_smem(warp_smem_bytes(block_N, 2, head_dim, 1 if fp8 else 2)),
                 "ctas_per_sm": 8, "min_split_tiles": 4}
     block_N, stages = 32 if head_dim == 256 else 64, pipeline_stages(page_size)[0]
     return {"block_N": block_N, "num_stages": stages, "min_blocks": min_blocks(rows, block_N, stages, head_dim, fp8),
             "ctas_per_sm": 8, "min_split_tiles": 4}
 
 
-def fragment_config_space(head_dim: int) -> list[dict]:
-    """The register-widening kernel's tile sizes (16 or 32 keys a warp) x ring depths within shared memory."""
-    return [{"block_N": n, "num_stages": s} for n in (64, 128) for s in FRAGMENT_STAGES
-            if fragment_smem_bytes(n, s, head_dim) <= SMEM_LIMIT]
+def warp_config_space(head_dim: int, kv_bytes: int) -> list[dict]:
+    """The warp-split kernel's tile sizes (16 or 32 keys a warp) x ring depths within shared memory."""
+    return [{"block_N": n, "num_stages": s} for n in (64, 128) for s in WARP_STAGES
+            if warp_smem_bytes(n, s, head_dim, kv_bytes) <= SMEM_LIMIT]
 
 
 def config_space(head_dim: int, page_size: int) -> list[dict]:
