@@ -439,6 +439,41 @@ def test_fp8_shared_memory_model():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("size", [1, 2])
+def test_warp_kernel_fragment_dims(head_dim, size):
+    """The warp-split kernel's rotated fragment order (kernels/split_kv_warps.py `k_dim`, `v_dim`): a lane's K / q
+    elements and a column's V elements are each a permutation of its own dims, in 16-byte runs; and on a 16-bit
+    head_dim-128 tile in TMA's 128-byte swizzle (two 64-column bands, the 16-byte unit XOR the row mod 8) each quarter
+    warp's 16-byte K loads (lane (g, t): row 8 j + g) and V loads (rows 2 t + e + 8 h, B column g) cover the 8
+    distinct bank groups."""
+    from ops.paged_decode.kernels.split_kv_warps import k_dim, v_dim
+    unit = 16 // size
+    td, nb = head_dim // 4, head_dim // 8
+    for t in range(4):
+        assert sorted(k_dim(t, k, head_dim, unit) for k in range(td)) == list(range(t * td, (t + 1) * td))
+        assert all(k_dim(t, k + 1, head_dim, unit) == k_dim(t, k, head_dim, unit) + 1
+                   for k in range(td) if (k + 1) % min(unit, td))
+    for n in range(8):
+        assert sorted(v_dim(n, x, head_dim, unit) for x in range(nb)) == list(range(n * nb, (n + 1) * nb))
+    if (head_dim, size) != (128, 2):
+        return
+
+    def group(row, col):  # TMA's 128-byte swizzle of a [rows, 128] 16-bit tile in two bands
+        return ((col % 64) // 8) ^ (row % 8)
+
+    for q in range(4):
+        lanes = range(8 * q, 8 * q + 8)
+        for j in range(2):
+            for c in range(4):
+                assert len({group(8 * j + lane // 4, k_dim(lane % 4, 8 * c, 128, 8)) for lane in lanes}) == 8
+        for h in range(2):
+            for e in range(2):
+                for c in range(2):
+                    assert len({group(8 * h + 2 * (lane % 4) + e, v_dim(lane // 4, 8 * c, 128, 8))
+                                for lane in lanes}) == 8
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
 def test_warp_kernel_swizzle(head_dim):
     """The warp-split kernel's shared rows when it gathers them by cp.async (kernels/split_kv_warps.py `swizzled`):
     every 16-byte unit of a 128-key tile has its own slot, 8- and 16-bit; and at head_dim 128 an FP8 warp's fragment

@@ -16,7 +16,8 @@ are assigned to make each lane's elements contiguous:
     each of its four V rows (keys 2t, 2t + 1, 2t + 8, 2t + 9 of the k-step) and pairs the rows in registers; the
     accumulators' columns 2t + e are dims (2t + e) NB + nb.
 Tiles arrive in a ring of ``num_stages`` with one block barrier per tile, in shared rows XOR-swizzled in 16-byte
-units per 128-byte line (FP8 fragment loads free of bank conflicts; 16-bit ones meet at most 2-way), either
+units per 128-byte line (fragment loads free of bank conflicts at head_dim 128, FP8 and 16-bit by TMA: `k_dim` and
+`v_dim` rotate the order of a lane's 16-byte runs), either
   - by TMA (tiles of at most ``TMA_PAGES_PER_TILE`` pages): warp 0 copies each page (or block_N slice) and 128-byte
     column band of K and V, completing on the stage's mbarrier; table entries past the sequence end are never read
     (the last page is read again), and V rows past the end, which may hold NaN where P is 0, are zeroed in
@@ -42,6 +43,22 @@ def swizzled(row, col, head_dim: int, unit: int):
     lin = row * head_dim + col
     line = lin // (8 * unit)
     return line * 8 * unit + T.bitwise_xor(lin % (8 * unit) // unit, line % 8) * unit + lin % unit
+
+
+def k_dim(t, k, head_dim: int, unit: int):
+    """The dim of the k-th of the head_dim / 4 K (and q) elements of quad lane t. Its 16-byte units are taken in a
+    rotated order where a lane holds four (16-bit, head_dim 128): lanes t and t + 2 would otherwise read the same
+    bank group of the tile's two 128-byte column bands."""
+    td = head_dim // 4
+    return t * td + ((k + unit * (t // 2 * 2)) % td if td // unit == 4 else k)
+
+
+def v_dim(n, x, head_dim: int, unit: int):
+    """The dim of B's column n (the lane group g of a V load, or an output column) at its x-th of head_dim / 8
+    elements. Units in a rotated order where a column holds two (16-bit, head_dim 128): lane groups g and g + 1 would
+    otherwise read the same bank group."""
+    nb = head_dim // 8
+    return n * nb + (x + unit * (n % max(1, nb // unit))) % nb
 
 
 def paged_decode_warps_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
@@ -184,9 +201,10 @@ def paged_decode_warps_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
             # q's rows g and g + 8 (row r: token r // pack, head r % pack; rows >= rows are zero)
             for rr in T.unroll(2):
                 r = g + 8 * rr
+                token = b * nq + T.min(r // pack, nq - 1)
                 for c in T.unroll(TD // 8):
                     for e in T.vectorized(8):
-                        q_in[8 * c + e] = Q[b * nq + T.min(r // pack, nq - 1), head0 + r % pack, t * TD + 8 * c + e]
+                        q_in[8 * c + e] = Q[token, head0 + r % pack, k_dim(t, 8 * c, D, unit) + e]
                 for kb in T.unroll(KB):
                     for h in T.unroll(2):
                         for e in T.unroll(2):
@@ -205,7 +223,8 @@ def paged_decode_warps_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                     T.ptx_wait_group(S - 2)
                 T.sync_threads()  # (cp.async: tile it landed for every thread;) every warp is done with tile it - 1
                 if it + S - 1 < steps:
-                    issue(KCache, VCache, BlockTables, rings, full, b, kvh, L, k_first + it + S - 1, (it + S - 1) % S, tx)
+                    nxt = it + S - 1
+                    issue(KCache, VCache, BlockTables, rings, full, b, kvh, L, k_first + nxt, nxt % S, tx)
                 if not tma:
                     T.ptx_commit_group()
                 st = it % S
@@ -217,7 +236,7 @@ def paged_decode_warps_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                     row = w * KW + 8 * j + g
                     for c in T.unroll(TD // unit):
                         for e in T.vectorized(unit):
-                            k_in[unit * c + e] = at(rings[0], st, row, t * TD + unit * c, e)
+                            k_in[unit * c + e] = at(rings[0], st, row, k_dim(t, unit * c, D, unit), e)
                     for x in T.unroll(TD // 2):
                         for e in T.vectorized(2):
                             kf[2 * x + e] = T.cast(k_in[2 * x + e], md)
@@ -267,8 +286,9 @@ def paged_decode_warps_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                         for e in T.unroll(2):
                             row = w * KW + 16 * pk + 8 * h + 2 * t + e
                             for c in T.unroll(max(1, NB // unit)):
+                                col = v_dim(g, unit * c, D, unit)
                                 for x in T.vectorized(min(NB, unit)):
-                                    v_in[(2 * h + e) * NB + unit * c + x] = at(rings[1], st, row, g * NB + unit * c, x)
+                                    v_in[(2 * h + e) * NB + unit * c + x] = at(rings[1], st, row, col, x)
                             if tma:  # slots past the sequence end may hold NaN, where P is 0 (0 * NaN is not)
                                 if kt * block_N + row >= L:
                                     for x in T.unroll(NB):
@@ -323,14 +343,16 @@ def paged_decode_warps_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                     if n_split == 1:
                         if sp == 0:
                             for e in T.unroll(2):
+                                col = v_dim(2 * t + e, w * NW, D, unit)
                                 for i in T.vectorized(NW):
-                                    Out[qrow, head, (2 * t + e) * NB + w * NW + i] = T.cast(res[e * NW + i], dtype)
+                                    Out[qrow, head, col + i] = T.cast(res[e * NW + i], dtype)
                             if w == 0 and t == 0:
                                 Lse[qrow, head] = lse
                     elif sp < n_split:
                         for e in T.unroll(2):
+                            col = v_dim(2 * t + e, w * NW, D, unit)
                             for i in T.vectorized(NW):
-                                OPart[b, sp, r // pack, head, (2 * t + e) * NB + w * NW + i] = res[e * NW + i]
+                                OPart[b, sp, r // pack, head, col + i] = res[e * NW + i]
                         if w == 0 and t == 0:
                             LsePart[b, sp, r // pack, head] = lse
 
