@@ -419,8 +419,8 @@ def test_custom_op_traces_in_one_graph():
 def test_fp8_shared_memory_model():
     """An FP8 cache widened in shared memory (``split_kv``: head_dim 256, or more than 16 rows) holds 8-bit stages and
     one 16-bit K / V tile they are widened into (the kernel's allocations), not a 16-bit copy per stage; the
-    register-widening kernel holds only its 8-bit ring, which its merge reuses. Both budget registers for 3 CTAs
-    per SM at the bench specializations, as the 16-bit twins do."""
+    warp-split kernel holds only its ring as stored, which its merge reuses. Both budget registers for 3 CTAs per SM
+    at the bench specializations, 16-bit and FP8."""
     tile = 2 * 64 * 128  # K and V elements of a 64-row stage at head_dim 128
     qp = 2 * 16 * (128 + 64)  # the Q and P tiles of 4 rows (one 16-row mma tile)
     assert schedule.smem_bytes(4, 64, 2, 128, fp8=True) == qp + 2 * tile + 2 * tile

@@ -26,8 +26,8 @@ def block_m(rows: int) -> int:
     return 16 if rows <= 16 else 32
 
 
-# the register budget: 3 CTAs of 256 threads (78-79 registers, no spills), or of the register-widening kernel's 128
-# (156-168 registers at head_dim 128)
+# the register budget: 3 CTAs of 256 threads (78-79 registers, no spills), or of the warp-split kernel's 128
+# (159-168 registers at head_dim 128)
 MAX_CTAS_PER_SM = 3
 
 

@@ -1,5 +1,5 @@
 """One mma.sync tile on operands held in registers (the PTX fragment layouts), for kernels that place their own
-fragments: the htree layer and backward kernels, the register-widening FP8 decode."""
+fragments: the htree layer and backward kernels, the paged decode's warp-split kernel."""
 
 import tilelang.language as T
 
