@@ -91,12 +91,13 @@ def pipeline_stages(page_size: int) -> tuple[int, ...]:
 
 def default_config(head_dim: int, page_size: int, rows: int = ROWS_MAX, fp8: bool = True) -> dict:
     """For the warp-split kernel (``splits_keys_over_warps``): 64 KiB rings of 2 at head_dim 128 (three CTAs per SM,
-    each with a tile in flight while it computes one): 128-token tiles (32 keys a warp) for FP8 (measured 2-7% faster
-    than 64-token tiles in rings of 2-4), 64-token ones for 16-bit caches. Otherwise: block_N: KV tokens per pipeline stage (16 KiB of
-    K per stage at 16-bit, head_dim 128; FP8 keeps the rows and halves the bytes); num_stages: K/V tiles in
-    flight. Both: min_blocks: CTAs per SM the registers are budgeted for (rows and fp8 size the shared memory);
-    ctas_per_sm: the split rule's target of CTAs per SM over the whole grid (several waves, so a GPU shared with
-    another stream only adds waves); min_split_tiles: the shortest split worth its partial write and combine."""
+    each with a tile in flight while it computes one): 128-token tiles (32 keys a warp) for FP8 (measured 2-7%
+    faster than 64-token tiles in rings of 2-4), 64-token ones for 16-bit caches (128 would fit one CTA per SM).
+    Otherwise: block_N: KV tokens per pipeline stage (16 KiB of K per stage at 16-bit, head_dim 128; FP8 keeps the
+    rows and halves the bytes); num_stages: K/V tiles in flight. Both: min_blocks: CTAs per SM the registers are
+    budgeted for (rows and fp8 size the shared memory); ctas_per_sm: the split rule's target of CTAs per SM over the
+    whole grid (several waves, so a GPU shared with another stream only adds waves); min_split_tiles: the shortest
+    split worth its partial write and combine."""
     if splits_keys_over_warps(rows, head_dim):
         block_N = 128 if fp8 else 64
         return {"block_N": block_N, "num_stages": 2,
