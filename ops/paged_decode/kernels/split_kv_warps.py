@@ -97,9 +97,11 @@ def paged_decode_warps_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
         return cache[pid, kvh, pos, cols] if kv_layout == "HND" else cache[pid, pos, kvh, cols]
 
     @T.macro
-    def issue_tma(KCache, VCache, BlockTables, rings, full, b, kvh, L, kt, st):
-        """Warp 0: tile kt's K and V pages into stage st, completing on full[st]."""
-        pids = [BlockTables[b, T.min(kt * block_N + p * rows_per_copy, L - 1) // page_size] for p in page_copies]
+    def issue_tma(KCache, VCache, BlockTables, rings, full, pids, b, kvh, L, kt, st):
+        """Warp 0: tile kt's K and V pages into stage st, completing on full[st]. The page ids are read into
+        registers first: read at each copy, every read would wait behind the copy before it (an asm barrier)."""
+        for p in page_copies:
+            pids[p] = BlockTables[b, T.min(kt * block_N + p * rows_per_copy, L - 1) // page_size]
         for p in page_copies:
             off = (kt * block_N + p * rows_per_copy) % page_size
             for ring, cache in zip(rings, (KCache, VCache)):
@@ -126,10 +128,10 @@ def paged_decode_warps_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
         return ring[st, row, col + e] if tma else ring[st, swizzled(row, col, D, unit) + e]
 
     @T.macro
-    def issue(KCache, VCache, BlockTables, rings, full, b, kvh, L, kt, st, tx):
+    def issue(KCache, VCache, BlockTables, rings, full, pids, b, kvh, L, kt, st, tx):
         if tma:
             if tx < 32:
-                issue_tma(KCache, VCache, BlockTables, rings, full, b, kvh, L, kt, st)
+                issue_tma(KCache, VCache, BlockTables, rings, full, pids, b, kvh, L, kt, st)
         else:
             issue_rows(KCache, VCache, BlockTables, rings, b, kvh, L, kt, st, tx)
 
@@ -155,9 +157,10 @@ def paged_decode_warps_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                 rings = (T.alloc_shared((S, block_N, D), kv_dtype), T.alloc_shared((S, block_N, D), kv_dtype))
                 T.annotate_layout({r: make_swizzled_layout(r) for r in rings})
                 full = T.alloc_barrier([32] * S)  # warp 0 arrives, the TMA bytes complete it
+                pids = T.alloc_local((len(page_copies),), "int32")
             else:  # [stage, offset] swizzled by hand (`swizzled`)
                 rings = (T.alloc_shared((S, block_N * D), kv_dtype), T.alloc_shared((S, block_N * D), kv_dtype))
-                full = None
+                full = pids = None
 
             o_s = T.alloc_shared((WARPS, 32, OS), f32)  # the warps' outputs for the merge
             ml_s = T.alloc_shared((WARPS, 16, 2), f32)  # and their rows' (max, sum)
@@ -194,7 +197,7 @@ def paged_decode_warps_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
 
             for st in T.unroll(S - 1):  # the ring's first tiles in flight before q is read
                 if st < steps:
-                    issue(KCache, VCache, BlockTables, rings, full, b, kvh, L, k_first + st, st, tx)
+                    issue(KCache, VCache, BlockTables, rings, full, pids, b, kvh, L, k_first + st, st, tx)
                 if not tma:
                     T.ptx_commit_group()
 
@@ -224,7 +227,7 @@ def paged_decode_warps_kernel(num_heads: int, num_kv_heads: int, head_dim: int, 
                 T.sync_threads()  # (cp.async: tile it landed for every thread;) every warp is done with tile it - 1
                 if it + S - 1 < steps:
                     nxt = it + S - 1
-                    issue(KCache, VCache, BlockTables, rings, full, b, kvh, L, k_first + nxt, nxt % S, tx)
+                    issue(KCache, VCache, BlockTables, rings, full, pids, b, kvh, L, k_first + nxt, nxt % S, tx)
                 if not tma:
                     T.ptx_commit_group()
                 st = it % S
