@@ -430,9 +430,9 @@ def test_fp8_shared_memory_model():
         assert schedule.default_config(128, 64, rows=4, fp8=fp8)["min_blocks"] == 3
     assert schedule.splits_keys_over_warps(16, 128) and schedule.splits_keys_over_warps(4, 64)
     assert not schedule.splits_keys_over_warps(17, 128) and not schedule.splits_keys_over_warps(4, 256)
-    assert schedule.warp_smem_bytes(64, 4, 128, 1) == 4 * 2 * 64 * 128
-    assert schedule.warp_smem_bytes(64, 2, 128, 2) == 2 * 2 * 64 * 128 * 2
-    assert schedule.warp_smem_bytes(64, 2, 64, 1) == 4 * 32 * 36 * 4 + 4 * 16 * 2 * 4  # the merge is larger
+    assert schedule.warp_smem_bytes(64, 4, 128, fp8=True) == 4 * 2 * 64 * 128
+    assert schedule.warp_smem_bytes(64, 2, 128, fp8=False) == 2 * 2 * 64 * 128 * 2
+    assert schedule.warp_smem_bytes(64, 2, 64, fp8=True) == 4 * 32 * 36 * 4 + 4 * 16 * 2 * 4  # the merge is larger
     # TMA for tiles of at most 4 pages (one thread reads a table entry per page), else cp.async rows
     assert schedule.loads_by_tma(16, 64) and schedule.loads_by_tma(256, 128)
     assert not schedule.loads_by_tma(16, 128) and not schedule.loads_by_tma(8, 64)

@@ -105,7 +105,7 @@ class PagedAttentionDecodeTileLang(Op):
     @classmethod
     def config_space(cls, spec: dict) -> list[dict]:
         if cls._splits_keys_over_warps(spec):
-            return schedule.warp_config_space(spec["head_dim"], 1 if spec.get("kv_dtype") == _TL_FP8 else 2)
+            return schedule.warp_config_space(spec["head_dim"], spec.get("kv_dtype") == _TL_FP8)
         return schedule.config_space(spec.get("head_dim", 128), spec.get("page_size", 16))
 
     @classmethod
@@ -154,7 +154,7 @@ class PagedAttentionDecodeTileLang(Op):
             check_choice("config['block_N']", cfg["block_N"], (64, 128))
             check_choice("config['num_stages']", cfg["num_stages"], schedule.WARP_STAGES)
             fits = schedule.warp_smem_bytes(cfg["block_N"], cfg["num_stages"], head_dim,
-                                            kv_dtype.itemsize) <= schedule.SMEM_LIMIT
+                                            kv_dtype == FP8) <= schedule.SMEM_LIMIT
         else:
             check_choice("config['block_N']", cfg["block_N"], (32, 64, 128))  # >= 8 columns per warp
             check_choice("config['num_stages']", cfg["num_stages"], schedule.pipeline_stages(page_size))

@@ -76,11 +76,11 @@ def splits_keys_over_warps(rows: int, head_dim: int) -> bool:
     return rows <= WARP_ROWS and head_dim in WARP_HEAD_DIMS
 
 
-def warp_smem_bytes(block_N: int, num_stages: int, head_dim: int, kv_bytes: int) -> int:
-    """Shared memory of the warp-split kernel: its ring of K and V tiles as stored, which the warps' merge at the
-    end reuses (four warps x 32 lanes x (head_dim / 2 + 4) fp32 outputs, and the rows' max and sum)."""
+def warp_smem_bytes(block_N: int, num_stages: int, head_dim: int, fp8: bool) -> int:
+    """Shared memory of the warp-split kernel: its ring of K and V tiles as stored (8- or 16-bit), which the warps'
+    merge at the end reuses (four warps x 32 lanes x (head_dim / 2 + 4) fp32 outputs, and the rows' max and sum)."""
     merge = 4 * 32 * (head_dim // 2 + 4) * 4 + 4 * 16 * 2 * 4
-    return max(num_stages * 2 * block_N * head_dim * kv_bytes, merge)
+    return max(num_stages * 2 * block_N * head_dim * (1 if fp8 else 2), merge)
 
 
 def pipeline_stages(page_size: int) -> tuple[int, ...]:
@@ -101,17 +101,17 @@ def default_config(head_dim: int, page_size: int, rows: int = ROWS_MAX, fp8: boo
     if splits_keys_over_warps(rows, head_dim):
         block_N = 128 if fp8 else 64
         return {"block_N": block_N, "num_stages": 2,
-                "min_blocks": ctas_for_smem(warp_smem_bytes(block_N, 2, head_dim, 1 if fp8 else 2)),
+                "min_blocks": ctas_for_smem(warp_smem_bytes(block_N, 2, head_dim, fp8)),
                 "ctas_per_sm": 8, "min_split_tiles": 4}
     block_N, stages = 32 if head_dim == 256 else 64, pipeline_stages(page_size)[0]
     return {"block_N": block_N, "num_stages": stages, "min_blocks": min_blocks(rows, block_N, stages, head_dim, fp8),
             "ctas_per_sm": 8, "min_split_tiles": 4}
 
 
-def warp_config_space(head_dim: int, kv_bytes: int) -> list[dict]:
+def warp_config_space(head_dim: int, fp8: bool) -> list[dict]:
     """The warp-split kernel's tile sizes (16 or 32 keys a warp) x ring depths within shared memory."""
     return [{"block_N": n, "num_stages": s} for n in (64, 128) for s in WARP_STAGES
-            if warp_smem_bytes(n, s, head_dim, kv_bytes) <= SMEM_LIMIT]
+            if warp_smem_bytes(n, s, head_dim, fp8) <= SMEM_LIMIT]
 
 
 def config_space(head_dim: int, page_size: int) -> list[dict]:
