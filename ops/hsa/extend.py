@@ -24,9 +24,9 @@ from .decode import BENCH_SPEC, HSADecodeTileLang
 from .kernels.extend_entries import hsa_extend_count_kernel, hsa_extend_place_kernel
 from .kernels.extend_local import hsa_extend_local_kernel
 from .kernels.extend_pages import hsa_extend_combine_kernel, hsa_extend_pages_kernel
-from .kernels.extend_score import extend_tile_tokens, hsa_extend_score_kernel
+from .kernels.extend_score import hsa_extend_score_kernel
 from .kernels.topk import hsa_topk_kernel
-from .schedule import EXTEND_HIST_BITS, EXTEND_TOPK_THREADS
+from .schedule import EXTEND_HIST_BITS, EXTEND_TOPK_THREADS, extend_tile_tokens, score_tile_tokens
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class ExtendPlan:
     """An extend batch (``HSAExtendTileLang.plan``) as decode rows: per new token its request's page-table row
     [total_q, max_pages] and its decode length [total_q]; and as query tiles for the scores and the attention: per
     tile its request (-1: a spare tile) and first row, with the batch's page table and cum_seq_lens_q (all int32); the
-    score kernel's tiles (twice as many tokens where the attention's fill 64 rows) the same way."""
+    score kernel's tiles (``schedule.score_tile_tokens`` tokens each) the same way."""
     page_table: torch.Tensor
     seq_lens: torch.Tensor
     total_q: int
@@ -61,7 +61,8 @@ class HSAExtendTileLang(Op):
 
     Workspace per call: the partial slots, total_q x (topk + 1) x num_heads x (2 x head_dim + 4) bytes (16-bit
     outputs and fp32 logits; 8.7 GB for 16384 new tokens at H = 32, D = 128, topk = 64), the selection keys
-    (total_q x num_kv_heads x max_pages x 4 bytes) and the entry lists (total_q x num_kv_heads x topk x 8 bytes)."""
+    (total_q x num_kv_heads x max_pages x 4 bytes), the requests' reprs in page-table order (B x max_pages x
+    num_kv_heads x head_dim x 2 bytes) and the entry lists (total_q x num_kv_heads x topk x 8 bytes)."""
 
     op_name = "hsa_extend"
     warm_specs = (BENCH_SPEC,)
@@ -85,10 +86,8 @@ class HSAExtendTileLang(Op):
         self.config = self.decode.config
         sp = self.spec
         self.tile_tokens = extend_tile_tokens(num_heads, num_kv_heads)
-        # The scores' tiles: 128 GEMM rows on two warpgroups where G divides 64, so that each step's reprs are
-        # gathered once for twice the tokens.
-        self.score_tokens = extend_tile_tokens(num_heads, num_kv_heads, 128 if 64 % (num_heads // num_kv_heads) == 0
-                                               else 64)
+        # The scores' tiles: a GEMM row per token (its G heads accumulated), as many tokens as shared memory holds.
+        self.score_tokens = score_tile_tokens(num_heads // num_kv_heads, head_dim)
         self.score_kernel = compile_kernel(hsa_extend_score_kernel(
             num_heads, num_kv_heads, head_dim, page_size, sp["dtype"], selection_strategy, window_size, sp["scale"],
             self.score_tokens))
@@ -200,11 +199,19 @@ class HSAExtendTileLang(Op):
     def select(self, q, chunk_repr, plan: ExtendPlan, repr_valid=None) -> torch.Tensor:
         """selected_page_ids [total_q, Hkv, topk] of the planned batch: the tiles' scores, then the decode's top-k
         (built for short rows: ``EXTEND_TOPK_THREADS``, ``EXTEND_HIST_BITS``) over each row."""
-        valid = self.decode.valid_bytes(repr_valid, chunk_repr.shape[0], q.device)
         keys = self.decode.empty_keys(plan.total_q, plan.page_table.shape[1], q.device)
         if plan.score_tile_req.numel():
-            self.score_kernel(q, plan.request_page_table, plan.cum_seq_lens_q, plan.seq_lens, plan.score_tile_req,
-                              plan.score_tile_row0, chunk_repr, valid, keys)
+            # Each request's reprs in logical page order, once per call, so that the score kernel reads a step's
+            # pages as one box, an invalid one as NaN; entries past a request's pages may hold any id (their keys
+            # are never written).
+            table = plan.request_page_table
+            ids = table.clamp(0, chunk_repr.shape[0] - 1).view(-1)
+            reprs = chunk_repr.index_select(0, ids).view(*table.shape, *chunk_repr.shape[1:])
+            if repr_valid is not None:
+                invalid = repr_valid.index_select(0, ids).logical_not_().view(*table.shape, 1, 1)
+                reprs.masked_fill_(invalid, float("nan"))
+            self.score_kernel(q, plan.cum_seq_lens_q, plan.seq_lens, plan.score_tile_req, plan.score_tile_row0,
+                              reprs, keys)
         ids, _ = self.decode.top_pages(keys, plan.page_table, plan.seq_lens, self.topk_kernel)
         return ids
 

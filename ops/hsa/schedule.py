@@ -1,11 +1,11 @@
 """Host-side constants and schedules of the HSA decode kernels: tile sizes, the selection key's layout, the
-score kernel's thread layout, the decode's shared-memory model and its split count (see docs/design/hsa.md)."""
+score kernel's thread layout, the extend's tiles, the decode's shared-memory model and its split count (see docs/design/hsa.md)."""
 
 from __future__ import annotations
 
 import functools
 
-from ..common.hw import SMEM_PER_SM
+from ..common.hw import SMEM_LIMIT, SMEM_PER_SM
 
 RADIX = 256  # histogram bins of one radix-select digit (= threads of the decode's top-k kernel)
 IDX_BITS = 24  # logical page index bits of the selection key (max_pages < 2**24)
@@ -21,6 +21,38 @@ VEC = 8  # 16-bit elements of one 16-byte load
 QROWS_DECODE = 16  # query rows of the decode products (one mma M tile; G <= 16)
 ZCOLS = 32  # reprs of a split's selected pages: the N of the z product (>= items per split)
 DECODE_CTAS_PER_SM = 4  # register bound of a decode CTA (115 registers x 128 threads at the bench shape)
+
+
+def extend_tile_tokens(num_heads: int, num_kv_heads: int) -> int:
+    """New tokens per query tile of HSA extend's attention: 64 rows (one wgmma M tile) of tokens x G query heads,
+    at least one token."""
+    return max(1, 64 // (num_heads // num_kv_heads))
+
+
+# Shared memory the score tile's queries may take (tokens x G x head_dim 16-bit values), beside two stages of reprs.
+SCORE_Q_BYTES = 128 * 1024
+
+
+def score_tile_tokens(group: int, head_dim: int) -> int:
+    """New tokens per score tile: as many as SCORE_Q_BYTES holds, up to 128 (two warpgroups of 64 GEMM rows), at
+    least 16 (a G x head_dim of up to 16 x 256)."""
+    tokens = 128
+    while tokens > 16 and tokens * group * head_dim * 2 > SCORE_Q_BYTES:
+        tokens //= 2
+    return tokens
+
+
+def score_block_pages(selection_strategy: str, group: int, head_dim: int, tokens: int, num_stages: int = 2,
+                      threads: int = 256) -> int:
+    """Candidate pages per step: 64 (128 measured slower: more registers for the keys' stores), fewer where shared
+    memory (the queries and `num_stages` steps of reprs) or the head strategy's G accumulators (one per query head,
+    maxed; at most 128 fp32 registers a thread) would not fit."""
+    accumulators = group if selection_strategy == "head" else 1
+    block = 64
+    while block > 16 and (tokens * group * head_dim * 2 + num_stages * block * head_dim * 2 > SMEM_LIMIT
+                          or accumulators * tokens * block > 128 * threads):
+        block //= 2
+    return block
 
 
 def local_pages_max(page_size: int, window_size: int) -> int:

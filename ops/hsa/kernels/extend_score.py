@@ -2,36 +2,32 @@
 of its candidate pages, writing the same sortable keys as the decode's score kernel (one row per new token), so
 the decode's top-k and attention kernels run on them unchanged.
 
-A tile is `tokens` consecutive new tokens of one request, its rows (token, query head of the kv head's group)
-stacked into M = tokens * G. Per step of `block_pages` candidate pages the CTA gathers their reprs (one row of
-head_dim per page, through the request's page table, whose ids and the reprs' valid bits are staged `chunk` pages at
-a time; the next step's reprs are gathered during this one's scores and keys) and multiplies: the G per-head dots of
-a token are exact products of its 16-bit query and the repr, summed in fp32 (the group strategy's score,
-sum_g q_g . r = (sum_g q_g) . r, without rounding the summed query to 16 bits) or maxed (the head strategy's). Every
-token of the tile walks the candidates of its last one (the most); a token's own count masks the rest."""
+A tile is `tokens` consecutive new tokens of one request, one GEMM row per token: the G query heads of the kv
+head's group are G products, accumulated into one [tokens, pages] tile (group) or kept apart and maxed (head), each
+an exact product of a 16-bit query and a repr summed in fp32 (the group strategy's score, sum_g q_g . r =
+(sum_g q_g) . r, without rounding the summed query to 16 bits). The reprs arrive in logical page order (``reprs``:
+each request's candidate reprs gathered once per call, `HSAExtendTileLang.select`), so each step's `block_pages` of
+them is one TMA box for the whole tile, the next steps' landing during this one's products and keys. Every token
+of the tile walks the candidates of its last one (the most); a token's own count masks the rest."""
 
 import tilelang.language as T
 
+from ..schedule import score_block_pages
 from .common import first_local, score_to_key, u32
-
-
-def extend_tile_tokens(num_heads: int, num_kv_heads: int, rows: int = 64) -> int:
-    """New tokens per query tile: `rows` rows of a GEMM (64: one wgmma M tile, the attention's tiles; 128: the
-    scores', two warpgroups), at least one token."""
-    return max(1, rows // (num_heads // num_kv_heads))
 
 
 def hsa_extend_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
                             selection_strategy: str, window_size: int, scale: float, tokens: int,
-                            block_pages: int = 64, chunk: int = 1024):
+                            block_pages: int | None = None, num_stages: int = 2, threads: int = 256):
     """keys[row, h, j] for the candidate pages j < n_cand(row) of every new token `row` (n_cand from its decode
-    length row_lens[row] = p + 1): sortable bits of the score, 0 when the repr is invalid. Tile t covers rows
-    tile_row0[t] .. of request tile_req[t] (-1: a spare tile, idle) up to `tokens` of them within the request: a
-    warpgroup per 64 rows of the GEMM (tokens x G of them), each repr step gathered once for the whole tile."""
+    length row_lens[row] = p + 1): sortable bits of the score, 0 when the repr is invalid (NaN in reprs). reprs[b, j]
+    is request b's logical page j's repr. Tile t covers rows tile_row0[t] .. of request
+    tile_req[t] (-1: a spare tile, idle) up to `tokens` of them within the request."""
     G = num_heads // num_kv_heads
-    M = tokens * G
-    threads = 128 * max(1, M // 64)
-    total_q, batch, max_pages, num_pages, num_tiles = T.dynamic("total_q, batch, max_pages, num_pages, num_tiles")
+    heads = G if selection_strategy == "head" else 1  # accumulators
+    if block_pages is None:
+        block_pages = score_block_pages(selection_strategy, G, head_dim, tokens, num_stages, threads)
+    total_q, batch, max_pages, num_tiles = T.dynamic("total_q, batch, max_pages, num_tiles")
     f32 = "float32"
 
     def n_cand(L):
@@ -39,58 +35,40 @@ def hsa_extend_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
 
     @T.prim_func
     def hsa_extend_score(q: T.Tensor((total_q, num_heads, head_dim), dtype),
-                         page_table: T.Tensor((batch, max_pages), "int32"),
                          cum_seq_lens_q: T.Tensor((batch + 1,), "int32"),
                          row_lens: T.Tensor((total_q,), "int32"),
                          tile_req: T.Tensor((num_tiles,), "int32"),
                          tile_row0: T.Tensor((num_tiles,), "int32"),
-                         chunk_repr: T.Tensor((num_pages, num_kv_heads, head_dim), dtype),
-                         repr_valid: T.Tensor((num_pages,), "uint8"),
+                         reprs: T.Tensor((batch, max_pages, num_kv_heads, head_dim), dtype),
                          keys: T.Tensor((total_q, num_kv_heads, max_pages), "uint32")):
         with T.Kernel(num_tiles, num_kv_heads, threads=threads) as (t, h):
-            q_s = T.alloc_shared((M, head_dim), dtype)
+            q_s = [T.alloc_shared((tokens, head_dim), dtype) for _ in range(G)]
             r_s = T.alloc_shared((block_pages, head_dim), dtype)
-            s_f = T.alloc_fragment((M, block_pages), f32)
-            # padded rows: the accumulator's stores of 8 rows at a time spread over the banks (2 wavefronts, not 8)
-            s_s = T.alloc_shared((M, block_pages + 4), f32)
-            cands = T.alloc_shared((tokens,), "int32")  # per token of the tile: its candidate count (0 past the end)
-            # the chunk's page ids and valid bits by plain loads (a gather's index must not come from an async copy
-            # still in flight); 0 past the candidates, never used
-            pids = T.alloc_shared((chunk,), "int32")
-            valid = T.alloc_shared((chunk,), "uint8")
-            b = tile_req[t]
-            if b >= 0:
+            acc = [T.alloc_fragment((tokens, block_pages), f32) for _ in range(heads)]
+            cands = T.alloc_fragment((tokens,), "int32")  # per token: its candidate count (0 past the end)
+            # tile_req[t] read where used: bound to a name, the warp-specialized split read it before its definition
+            if tile_req[t] >= 0:
                 row0 = tile_row0[t]
-                last = T.min(row0 + tokens, cum_seq_lens_q[b + 1]) - 1
+                last = T.min(row0 + tokens, cum_seq_lens_q[tile_req[t] + 1]) - 1
                 n_max = n_cand(row_lens[last])  # the tile's last token has the most candidates
                 for i in T.Parallel(tokens):
                     cands[i] = T.if_then_else(row0 + i <= last, n_cand(row_lens[T.min(row0 + i, last)]), 0)
-                for m, d in T.Parallel(M, head_dim):  # rows past the request's end repeat its last token
-                    q_s[m, d] = q[T.min(row0 + m // G, last), h * G + m % G, d]
-                for c in T.serial(T.ceildiv(n_max, chunk)):
-                    c0 = c * chunk
-                    for j in T.Parallel(chunk):
-                        pids[j] = 0
-                        if c0 + j < n_max:
-                            pids[j] = page_table[b, c0 + j]
-                        valid[j] = repr_valid[pids[j]]
-                    # steps of block_pages candidates: the next step's reprs land during this one's scores and keys
-                    for st in T.Pipelined(T.ceildiv(T.min(n_max - c0, chunk), block_pages), num_stages=1):
-                        j0 = st * block_pages
-                        for j, d in T.Parallel(block_pages, head_dim):
-                            r_s[j, d] = chunk_repr[pids[j0 + j], h, d]
-                        T.gemm(q_s, r_s, s_f, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                        T.copy(s_f, s_s[:, :block_pages])
-                        for i, j in T.Parallel(tokens, block_pages):
-                            if c0 + j0 + j < cands[i]:
-                                dots = [s_s[i * G + g, j] for g in range(G)]
-                                if selection_strategy == "group":
-                                    score = sum(dots[1:], dots[0])
-                                else:
-                                    score = dots[0]
-                                    for x in dots[1:]:
-                                        score = T.max(score, x)
-                                keys[row0 + i, h, c0 + j0 + j] = T.if_then_else(
-                                    valid[j0 + j] != 0, score_to_key(score * scale), u32(0))
+                # rows past the request's end hold the next request's tokens (or zeros past total_q): never stored
+                for g, q_g in enumerate(q_s):
+                    T.copy(q[row0:row0 + tokens, h * G + g, :], q_g)
+                for st in T.Pipelined(T.ceildiv(n_max, block_pages), num_stages=num_stages):
+                    j0 = st * block_pages
+                    T.copy(reprs[tile_req[t], j0:j0 + block_pages, h, :], r_s)
+                    for g, q_g in enumerate(q_s):
+                        T.gemm(q_g, r_s, acc[g % heads], transpose_B=True, clear_accum=g < heads,
+                               policy=T.GemmWarpPolicy.FullRow)
+                    for i, j in T.Parallel(tokens, block_pages):
+                        if j0 + j < cands[i]:
+                            score = acc[0][i, j]
+                            for a in acc[1:]:
+                                score = T.max(score, a[i, j])
+                            # an invalid page's repr arrives as NaN (no per-key load of its valid bit)
+                            keys[row0 + i, h, j0 + j] = T.if_then_else(T.isnan(score), u32(0),
+                                                                       score_to_key(score * scale))
 
     return hsa_extend_score
