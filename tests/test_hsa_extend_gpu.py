@@ -1,7 +1,8 @@
 """HSA extend on the GPU: compiled vs golden.hsa_decode.hsa_extend on ragged chunks over paged histories (outputs
 poisoned with NaN), both strategies and combines, windows of 0, less than a page and several pages, stale reprs,
 top-k above the candidates, histories of 0 and less than a page, q_len = 1 against the decode op, CUDA-graph
-capture of plan + run with validation off, bitwise equal repeated calls, and the entry lists' kernels against a loop.
+capture of plan + run with validation off, bitwise equal repeated calls, the scores run a request at a time, and the
+entry lists' kernels against a loop.
 Selections are compared up to near-ties (assert_selection_up_to_ties)."""
 
 import pytest
@@ -111,6 +112,20 @@ def test_extend_is_deterministic():
     args = (b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], b["cum_seq_lens_q"], b["chunk_repr"],
             b["repr_valid"])
     assert torch.equal(op(*args), op(*args))
+
+
+@pytest.mark.parametrize("name", ["bench", "head_token"])
+def test_reprs_gathered_a_request_at_a_time(name, monkeypatch):
+    """With a workspace of one request's reprs (EXTEND_REPRS_BYTES = 1), the score kernel runs once per request
+    (each launch scoring only its request's tiles): the same selection and output, bitwise."""
+    import ops.hsa.extend as extend
+    op, b = get_op(name), make_batch(name, seed=6)
+    args = (b["q"], b["k_buffer"], b["v_buffer"], b["page_table"], b["seq_lens"], b["cum_seq_lens_q"], b["chunk_repr"],
+            b["repr_valid"])
+    o, ids = op(*args, return_selection=True)
+    monkeypatch.setattr(extend, "EXTEND_REPRS_BYTES", 1)
+    o_1, ids_1 = op(*args, return_selection=True)
+    assert torch.equal(ids, ids_1) and torch.equal(o, o_1)
 
 
 @pytest.mark.parametrize("name", list(SPECS))

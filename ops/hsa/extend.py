@@ -26,7 +26,7 @@ from .kernels.extend_local import hsa_extend_local_kernel
 from .kernels.extend_pages import hsa_extend_combine_kernel, hsa_extend_pages_kernel
 from .kernels.extend_score import hsa_extend_score_kernel
 from .kernels.topk import hsa_topk_kernel
-from .schedule import EXTEND_HIST_BITS, EXTEND_TOPK_THREADS, extend_tile_tokens, score_tile_tokens
+from .schedule import EXTEND_HIST_BITS, EXTEND_REPRS_BYTES, EXTEND_TOPK_THREADS, extend_tile_tokens, score_tile_tokens
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ class HSAExtendTileLang(Op):
     Workspace per call: the partial slots, total_q x (topk + 1) x num_heads x (2 x head_dim + 4) bytes (16-bit
     outputs and fp32 logits; 8.7 GB for 16384 new tokens at H = 32, D = 128, topk = 64), the selection keys
     (total_q x num_kv_heads x max_pages x 4 bytes), the requests' reprs in page-table order (B x max_pages x
-    num_kv_heads x head_dim x 2 bytes) and the entry lists (total_q x num_kv_heads x topk x 8 bytes)."""
+    num_kv_heads x head_dim x 2 bytes, at most ``schedule.EXTEND_REPRS_BYTES`` of requests at a time) and the entry
+    lists (total_q x num_kv_heads x topk x 8 bytes)."""
 
     op_name = "hsa_extend"
     warm_specs = (BENCH_SPEC,)
@@ -201,17 +202,20 @@ class HSAExtendTileLang(Op):
         (built for short rows: ``EXTEND_TOPK_THREADS``, ``EXTEND_HIST_BITS``) over each row."""
         keys = self.decode.empty_keys(plan.total_q, plan.page_table.shape[1], q.device)
         if plan.score_tile_req.numel():
-            # Each request's reprs in logical page order, once per call, so that the score kernel reads a step's
-            # pages as one box, an invalid one as NaN; entries past a request's pages may hold any id (their keys
-            # are never written).
+            # The requests' reprs in page-table order, so that the score kernel reads a step's pages as one box, an
+            # invalid one as NaN; entries past a request's pages may hold any id (their keys are never written).
+            # EXTEND_REPRS_BYTES of them at a time, the kernel scoring those requests' tiles.
             table = plan.request_page_table
-            ids = table.clamp(0, chunk_repr.shape[0] - 1).view(-1)
-            reprs = chunk_repr.index_select(0, ids).view(*table.shape, *chunk_repr.shape[1:])
-            if repr_valid is not None:
-                invalid = repr_valid.index_select(0, ids).logical_not_().view(*table.shape, 1, 1)
-                reprs.masked_fill_(invalid, float("nan"))
-            self.score_kernel(q, plan.cum_seq_lens_q, plan.seq_lens, plan.score_tile_req, plan.score_tile_row0,
-                              reprs, keys)
+            row_bytes = table.shape[1] * chunk_repr[0].numel() * chunk_repr.element_size()
+            chunk = max(1, EXTEND_REPRS_BYTES // max(1, row_bytes))
+            for b0 in range(0, table.shape[0], chunk):
+                ids = table[b0:b0 + chunk].clamp(0, chunk_repr.shape[0] - 1).reshape(-1)
+                reprs = chunk_repr.index_select(0, ids).view(-1, table.shape[1], *chunk_repr.shape[1:])
+                if repr_valid is not None:
+                    invalid = repr_valid.index_select(0, ids).logical_not_().view(*reprs.shape[:2], 1, 1)
+                    reprs.masked_fill_(invalid, float("nan"))
+                self.score_kernel(q, plan.cum_seq_lens_q, plan.seq_lens, plan.score_tile_req, plan.score_tile_row0,
+                                  reprs, keys, b0)
         ids, _ = self.decode.top_pages(keys, plan.page_table, plan.seq_lens, self.topk_kernel)
         return ids
 

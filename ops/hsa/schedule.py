@@ -29,6 +29,10 @@ def extend_tile_tokens(num_heads: int, num_kv_heads: int) -> int:
     return max(1, 64 // (num_heads // num_kv_heads))
 
 
+# HSA extend's reprs in page-table order (B x max_pages x Hkv x head_dim 16-bit values) are gathered for this many
+# bytes of requests at a time: batches of many requests on a long page table score in several launches instead of
+# one workspace of their whole table.
+EXTEND_REPRS_BYTES = 256 << 20
 # Shared memory the score tile's queries may take (tokens x G x head_dim 16-bit values), beside two stages of reprs.
 SCORE_Q_BYTES = 128 * 1024
 

@@ -20,14 +20,15 @@ def hsa_extend_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                             selection_strategy: str, window_size: int, scale: float, tokens: int,
                             block_pages: int | None = None, num_stages: int = 2, threads: int = 256):
     """keys[row, h, j] for the candidate pages j < n_cand(row) of every new token `row` (n_cand from its decode
-    length row_lens[row] = p + 1): sortable bits of the score, 0 when the repr is invalid (NaN in reprs). reprs[b, j]
-    is request b's logical page j's repr. Tile t covers rows tile_row0[t] .. of request
-    tile_req[t] (-1: a spare tile, idle) up to `tokens` of them within the request."""
+    length row_lens[row] = p + 1): sortable bits of the score, 0 when the repr is invalid (NaN in reprs). Tile t
+    covers rows tile_row0[t] .. of request tile_req[t] up to `tokens` of them within the request; a call scores the
+    tiles of requests req_base .. req_base + chunk_reqs - 1 (others, and spare tiles of request -1, idle), reprs[b,
+    j] being request req_base + b's logical page j's repr."""
     G = num_heads // num_kv_heads
     heads = G if selection_strategy == "head" else 1  # accumulators
     if block_pages is None:
         block_pages = score_block_pages(selection_strategy, G, head_dim, tokens, num_stages, threads)
-    total_q, batch, max_pages, num_tiles = T.dynamic("total_q, batch, max_pages, num_tiles")
+    total_q, batch, max_pages, num_tiles, chunk_reqs = T.dynamic("total_q, batch, max_pages, num_tiles, chunk_reqs")
     f32 = "float32"
 
     def n_cand(L):
@@ -39,15 +40,16 @@ def hsa_extend_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                          row_lens: T.Tensor((total_q,), "int32"),
                          tile_req: T.Tensor((num_tiles,), "int32"),
                          tile_row0: T.Tensor((num_tiles,), "int32"),
-                         reprs: T.Tensor((batch, max_pages, num_kv_heads, head_dim), dtype),
-                         keys: T.Tensor((total_q, num_kv_heads, max_pages), "uint32")):
+                         reprs: T.Tensor((chunk_reqs, max_pages, num_kv_heads, head_dim), dtype),
+                         keys: T.Tensor((total_q, num_kv_heads, max_pages), "uint32"),
+                         req_base: T.int32):
         with T.Kernel(num_tiles, num_kv_heads, threads=threads) as (t, h):
             q_s = [T.alloc_shared((tokens, head_dim), dtype) for _ in range(G)]
             r_s = T.alloc_shared((block_pages, head_dim), dtype)
             acc = [T.alloc_fragment((tokens, block_pages), f32) for _ in range(heads)]
             cands = T.alloc_fragment((tokens,), "int32")  # per token: its candidate count (0 past the end)
             # tile_req[t] read where used: bound to a name, the warp-specialized split read it before its definition
-            if tile_req[t] >= 0:
+            if T.And(tile_req[t] >= req_base, tile_req[t] < req_base + chunk_reqs):
                 row0 = tile_row0[t]
                 last = T.min(row0 + tokens, cum_seq_lens_q[tile_req[t] + 1]) - 1
                 n_max = n_cand(row_lens[last])  # the tile's last token has the most candidates
@@ -58,7 +60,7 @@ def hsa_extend_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                     T.copy(q[row0:row0 + tokens, h * G + g, :], q_g)
                 for st in T.Pipelined(T.ceildiv(n_max, block_pages), num_stages=num_stages):
                     j0 = st * block_pages
-                    T.copy(reprs[tile_req[t], j0:j0 + block_pages, h, :], r_s)
+                    T.copy(reprs[tile_req[t] - req_base, j0:j0 + block_pages, h, :], r_s)
                     for g, q_g in enumerate(q_s):
                         T.gemm(q_g, r_s, acc[g % heads], transpose_B=True, clear_accum=g < heads,
                                policy=T.GemmWarpPolicy.FullRow)
