@@ -21,6 +21,9 @@ SPECS = {
                        selection_strategy="head", window_size=20, combine="token"),  # window below a page
     "no_window": dict(num_heads=16, num_kv_heads=1, head_dim=64, page_size=16, topk=300, dtype=torch.bfloat16,
                       selection_strategy="group", window_size=0, combine="softmax"),  # topk above the candidates
+    # G x head_dim = 2048: 32-token score tiles on mma.sync, 16 accumulators maxed
+    "wide_group": dict(num_heads=32, num_kv_heads=2, head_dim=128, page_size=16, topk=16, dtype=torch.bfloat16,
+                       selection_strategy="head", window_size=40, combine="token"),
 }
 # (history, new tokens) per request: no history, history below a page, chunks across pages, a request with no new
 # token, long histories
@@ -28,6 +31,7 @@ BATCHES = {
     "bench": [(0, 700), (50, 64), (4000, 129), (9000, 0), (20000, 333)],
     "head_token": [(0, 1), (17, 40), (300, 100), (2000, 7)],
     "no_window": [(5, 3), (1000, 200), (0, 33), (3000, 1)],
+    "wide_group": [(0, 50), (300, 70), (1500, 33)],
 }
 TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=4e-3, rtol=4e-3)}
 # Selection scores are fp32 dots summed in another order than the golden's: pages whose scores differ by less

@@ -1,5 +1,5 @@
-"""Host-side constants and schedules of the HSA decode kernels: tile sizes, the selection key's layout, the
-score kernel's thread layout, the extend's tiles, the decode's shared-memory model and its split count (see docs/design/hsa.md)."""
+"""Host-side constants and schedules of the HSA kernels: tile sizes, the selection key's layout, the score kernel's
+thread layout, the extend's tiles, the decode's shared-memory model and its split count (see docs/design/hsa.md)."""
 
 from __future__ import annotations
 
