@@ -142,12 +142,16 @@ def hsa_extend_combine_kernel(num_heads: int, head_dim: int, num_parts: int, dty
             T.copy(logit_part[row, :, hb * HB:(hb + 1) * HB], w_s)
             for j in T.Parallel(HB):  # a thread per head: the slots' softmax weights
                 mx = T.alloc_var(f32, init=-T.infinity(f32))
+                tot = T.alloc_var(f32, init=0)
                 for s in T.serial(num_parts):
                     mx = T.max(mx, w_s[s, j])
-                total[j] = 0
                 for s in T.serial(num_parts):
-                    w_s[s, j] = T.if_then_else(mx > -T.infinity(f32), T.exp(w_s[s, j] - mx), 0)
-                    total[j] += w_s[s, j]
+                    # each weight kept in a register for the sum: no shared read after this thread's own write
+                    # (TileLang's barrier analysis took that for a cross-thread conflict inside the branch)
+                    e = T.if_then_else(mx > -T.infinity(f32), T.exp(w_s[s, j] - mx), 0)
+                    w_s[s, j] = e
+                    tot += e
+                total[j] = tot
             T.clear(acc)
             for s in T.Pipelined(num_parts, num_stages=3):
                 T.copy(o_part[row, s, hb * HB:(hb + 1) * HB, :], o_s)
