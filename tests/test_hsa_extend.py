@@ -1,5 +1,6 @@
 """HSAExtendTileLang on the CPU: the plan's decode rows and tiles against the golden's, the page-major entry lists'
-glue against a loop, the run's glue with the entry lists', page-major, local and combine kernels' algorithms emulated
+glue against a loop, the selection's glue with the score and top-k kernels' definitions emulated (it must give the
+golden's selection), the run's glue with the entry lists', page-major, local and combine kernels' algorithms emulated
 (float64) and the golden's selection (it must give golden.hsa_decode.hsa_extend), the value checks, and compile-only
 builds (the golden itself is checked against the float64 decode definition token by token in test_hsa_decode.py)."""
 
@@ -142,6 +143,45 @@ def _combine_emulation(o_part, logit_part, out):
     out.copy_(torch.einsum("rsh,rshd->rhd", w, torch.where(w[..., None] > 0, o_part.double(), 0)))
 
 
+def _score_emulation(spec, tokens):
+    """The score kernel's definition on the CPU: keys of each tile's rows against reprs[b - req_base], for the tiles
+    of requests req_base .. req_base + len(reprs) - 1; a NaN score (an invalid repr) is key 0. Scores as the golden
+    computes them (fp32 einsum), so selections compare exactly."""
+    H, Hkv, ps = spec["num_heads"], spec["num_kv_heads"], spec["page_size"]
+    G, scale = H // Hkv, spec["head_dim"] ** -0.5
+
+    def kernel(q, cum, row_lens, tile_req, tile_row0, reprs, keys, req_base):
+        for b, row0 in zip(tile_req.tolist(), tile_row0.tolist()):
+            if not req_base <= b < req_base + reprs.shape[0]:
+                continue
+            for row in range(row0, min(row0 + tokens, int(cum[b + 1]))):
+                n = local_range(int(row_lens[row]), ps, spec["window_size"])[1] // ps
+                qg = q[row].float().view(Hkv, G, -1)
+                E = reprs[b - req_base, :n].float()
+                if spec["selection_strategy"] == "group":
+                    s = scale * torch.einsum("hd,chd->hc", qg.sum(dim=1), E)
+                else:
+                    s = (scale * torch.einsum("hgd,chd->hgc", qg, E)).amax(dim=1)
+                bits = s.view(torch.int32)
+                key = torch.where(bits < 0, ~bits, bits | -(1 << 31))
+                keys.view(torch.int32)[row, :, :n] = torch.where(s.isnan(), 0, key)
+    return kernel
+
+
+def _topk_emulation(spec):
+    """The top-k kernel's definition: per (row, kv head) its candidates' keys (0: none) best first, ties to the
+    smaller logical page, as page ids (-1 past the candidates)."""
+    def kernel(keys, page_table, seq_lens, ids, scores):
+        ids.fill_(-1)
+        for row in range(keys.shape[0]):
+            n = local_range(int(seq_lens[row]), spec["page_size"], spec["window_size"])[1] // spec["page_size"]
+            for h in range(keys.shape[1]):
+                k = keys.view(torch.int32)[row, h, :n].long() & 0xFFFFFFFF  # the keys' unsigned order
+                best = sorted((j for j in range(n) if k[j] != 0), key=lambda j: (-int(k[j]), j))[:spec["topk"]]
+                ids[row, h, :len(best)] = page_table[row, best]
+    return kernel
+
+
 @pytest.mark.compile
 def test_plan_rows_are_the_goldens(op):
     b = _batch()
@@ -206,6 +246,30 @@ def test_run_is_the_golden_extend(spec, monkeypatch):
     assert torch.equal(ids, ids_ref)
     # 16-bit outputs of a float64 and a float32 computation
     torch.testing.assert_close(o.float(), o_ref.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-launch", "a-request-at-a-time"])
+@pytest.mark.parametrize("spec", GLUE_SPECS, ids=["G1-group", "G4-head-window"])
+def test_select_is_the_goldens(spec, chunked, monkeypatch):
+    """The selection's glue (the reprs gathered in page-table order, invalid ones as NaN, EXTEND_REPRS_BYTES of
+    requests a launch, each launch scoring its requests' tiles) with the score and top-k kernels' definitions
+    emulated gives the golden's selection of every new token."""
+    op = HSAExtendTileLang(**spec)
+    H, Hkv, D, ps = (spec[k] for k in ("num_heads", "num_kv_heads", "head_dim", "page_size"))
+    torch.manual_seed(3)
+    case = random_case([500, 16, 260, 9], H, Hkv, D, ps, dtype=spec["dtype"], invalid_frac=0.1)
+    cum = torch.tensor([0, 200, 0, 130, 9]).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cum[-1]), H, D).to(spec["dtype"])
+    monkeypatch.setattr(op, "score_kernel", _score_emulation(spec, op.score_tokens))
+    monkeypatch.setattr(op, "topk_kernel", _topk_emulation(spec))
+    if chunked:
+        monkeypatch.setattr(extend_module, "EXTEND_REPRS_BYTES", 1)
+    plan = op.plan(case["page_table"], case["seq_lens"], cum, q.shape[0], case["chunk_repr"].shape[0])
+    ids = op.select(q, case["chunk_repr"], plan, case["repr_valid"])
+    ids_ref, _ = select_pages(q, plan.page_table, plan.seq_lens, case["chunk_repr"], ps, spec["topk"],
+                              spec["selection_strategy"], spec["window_size"], case["repr_valid"])
+    assert (ids >= 0).any() and torch.equal(ids, ids_ref)
 
 
 def page_entries_match_a_loop(op, ids, num_pages):
