@@ -48,7 +48,7 @@ def score_tile_tokens(group: int, head_dim: int) -> int:
 
 def score_block_pages(selection_strategy: str, group: int, head_dim: int, tokens: int, num_stages: int = 2,
                       threads: int = 256) -> int:
-    """Candidate pages per step: 64 (128 measured slower: more registers for the keys' stores), fewer where shared
+    """Candidate pages per step: 64 (128 measured 20-28% slower at the bench shapes, not analysed), fewer where shared
     memory (the queries and `num_stages` steps of reprs) or the head strategy's G accumulators (one per query head,
     maxed; at most 128 fp32 registers a thread) would not fit."""
     accumulators = group if selection_strategy == "head" else 1
