@@ -21,6 +21,9 @@ SPECS = {
                        selection_strategy="head", window_size=20, combine="token"),  # window below a page
     "no_window": dict(num_heads=16, num_kv_heads=1, head_dim=64, page_size=16, topk=300, dtype=torch.bfloat16,
                       selection_strategy="group", window_size=0, combine="softmax"),  # topk above the candidates
+    # G = 1, head_dim 64: many score steps (pages of 16) over 128-token tiles
+    "group_g1": dict(num_heads=8, num_kv_heads=8, head_dim=64, page_size=16, topk=8, dtype=torch.float16,
+                     selection_strategy="group", window_size=0, combine="token"),
     # G x head_dim = 2048: 32-token score tiles on mma.sync, 16 accumulators maxed
     "wide_group": dict(num_heads=32, num_kv_heads=2, head_dim=128, page_size=16, topk=16, dtype=torch.bfloat16,
                        selection_strategy="head", window_size=40, combine="token"),
@@ -28,7 +31,8 @@ SPECS = {
 # (history, new tokens) per request: no history, history below a page, chunks across pages, a request with no new
 # token, long histories
 BATCHES = {
-    "bench": [(0, 700), (50, 64), (4000, 129), (9000, 0), (20000, 333)],
+    "bench": [(0, 700), (50, 64), (4000, 129), (9000, 0), (20000, 333), (15000, 40)],
+    "group_g1": [(0, 200), (3000, 130), (20000, 64), (500, 0), (100, 1)],
     "head_token": [(0, 1), (17, 40), (300, 100), (2000, 7)],
     "no_window": [(5, 3), (1000, 200), (0, 33), (3000, 1)],
     "wide_group": [(0, 50), (300, 70), (1500, 33)],
@@ -182,7 +186,7 @@ def test_extend_memcheck_shapes(name):
     token, histories below and across the window, every kernel of the selection and the attention."""
     torch.manual_seed(4)
     s = SPECS[name]
-    hist_new = [(0, 3), (70, 0), (700, 19), (90, 1)]
+    hist_new = [(0, 3), (70, 0), (700, 19), (90, 1), (9000, 5)]
     case = random_case([h + n for h, n in hist_new], s["num_heads"], s["num_kv_heads"], s["head_dim"], s["page_size"],
                        dtype=s["dtype"], device="cuda", invalid_frac=0.2)
     cum = torch.tensor([0] + [n for _, n in hist_new]).cumsum(0).to(torch.int32).cuda()

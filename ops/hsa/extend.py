@@ -26,7 +26,8 @@ from .kernels.extend_local import hsa_extend_local_kernel
 from .kernels.extend_pages import hsa_extend_combine_kernel, hsa_extend_pages_kernel
 from .kernels.extend_score import hsa_extend_score_kernel
 from .kernels.topk import hsa_topk_kernel
-from .schedule import EXTEND_HIST_BITS, EXTEND_REPRS_BYTES, EXTEND_TOPK_THREADS, extend_tile_tokens, score_tile_tokens
+from .schedule import (EXTEND_HIST_BITS, EXTEND_REPRS_BYTES, EXTEND_TOPK_THREADS, extend_tile_tokens, key_blocks_shape,
+                       score_tile_tokens)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class HSAExtendTileLang(Op):
                                     sp["scale"], self.tile_tokens, part=topk, threads=32 * min(4, page_size // 8)),
             pass_configs=NO_WARP_SPECIALIZATION)
         self.topk_kernel = compile_kernel(hsa_topk_kernel(num_kv_heads, page_size, topk, window_size,
-                                                          EXTEND_TOPK_THREADS, EXTEND_HIST_BITS))
+                                                          EXTEND_TOPK_THREADS, EXTEND_HIST_BITS, key_blocks=True))
         self.count_kernel = compile_kernel(hsa_extend_count_kernel(num_kv_heads, topk))
         self.place_kernel = compile_kernel(hsa_extend_place_kernel(num_kv_heads, topk))
         self.pages_kernel = compile_kernel(hsa_extend_pages_kernel(
@@ -200,7 +201,9 @@ class HSAExtendTileLang(Op):
     def select(self, q, chunk_repr, plan: ExtendPlan, repr_valid=None) -> torch.Tensor:
         """selected_page_ids [total_q, Hkv, topk] of the planned batch: the tiles' scores, then the decode's top-k
         (built for short rows: ``EXTEND_TOPK_THREADS``, ``EXTEND_HIST_BITS``) over each row."""
-        keys = self.decode.empty_keys(plan.total_q, plan.page_table.shape[1], q.device)
+        # blocked (schedule.key_blocks_shape); int32: torch has few uint32 kernels
+        keys = torch.empty(key_blocks_shape(plan.total_q, self.spec["num_kv_heads"], plan.page_table.shape[1]),
+                           dtype=torch.int32, device=q.device).view(torch.uint32)
         if plan.score_tile_req.numel():
             # The requests' reprs in page-table order, so that the score kernel reads a step's pages as one box, an
             # invalid one as NaN; entries past a request's pages may hold any id (their keys are never written).

@@ -33,6 +33,18 @@ def extend_tile_tokens(num_heads: int, num_kv_heads: int) -> int:
 # bytes of requests at a time: batches of many requests on a long page table score in several launches instead of
 # one workspace of their whole table.
 EXTEND_REPRS_BYTES = 256 << 20
+# HSA extend's selection keys in blocks of KEY_ROWS rows x KEY_PAGES pages, 32 KB contiguous each ([Hkv, row block,
+# page block, row, page]): a score tile's step writes one or two blocks whole. As [rows, Hkv, max_pages] (a row's
+# 64 keys of a step 67 KB from the next row's at the bench's (c)) the score kernel took 1.7x as long at (c); as fast
+# at (a) and (b) (H200: docs/design/hsa.md).
+KEY_ROWS, KEY_PAGES = 128, 64
+
+
+def key_blocks_shape(rows: int, num_kv_heads: int, max_pages: int) -> tuple[int, ...]:
+    """Shape of the blocked selection keys of `rows` rows of `max_pages` candidates."""
+    return num_kv_heads, -(-rows // KEY_ROWS), -(-max_pages // KEY_PAGES), KEY_ROWS, KEY_PAGES
+
+
 # Shared memory the score tile's queries may take (tokens x G x head_dim 16-bit values), beside two stages of reprs.
 SCORE_Q_BYTES = 128 * 1024
 

@@ -1,11 +1,13 @@
 """What the HSA kernels share: the local window's first token, the selection key's encoding of an fp32 score (a
-sortable unsigned 32-bit key; 0 marks a non-candidate), and the merge of one page into rows' running attention
-state (the decode's and the extend's local kernel's)."""
+sortable unsigned 32-bit key; 0 marks a non-candidate) and the extend's blocked layout of the keys, and the merge of
+one page into rows' running attention state (the decode's and the extend's local kernel's)."""
 
 from types import SimpleNamespace
 
 import tilelang.language as T
 from tvm.tirx import Buffer
+
+from ..schedule import KEY_PAGES, KEY_ROWS
 
 
 def first_local(L, page_size: int, window_size: int):
@@ -29,6 +31,22 @@ def key_to_score(key):
     """The fp32 score of a key of ``score_to_key``."""
     bits = T.if_then_else(key >= u32(0x80000000), key ^ u32(0x80000000), ~key)
     return T.reinterpret(bits, "float32")
+
+
+class KeyBlocks:
+    """keys[row, h, page] of blocked selection keys (``schedule.key_blocks_shape``) for the kernels that read rows."""
+
+    def __init__(self, buf: Buffer):
+        self.buf = buf
+
+    def __getitem__(self, idx):
+        row, h, page = idx
+        return self.buf[key_block_index(row, h, page)]
+
+
+def key_block_index(row, h, page):
+    """Where key (row, h, page) lies in blocked selection keys."""
+    return h, row // KEY_ROWS, page // KEY_PAGES, row % KEY_ROWS, page % KEY_PAGES
 
 
 def _at(x, g):

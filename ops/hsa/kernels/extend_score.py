@@ -1,6 +1,7 @@
 """The score kernel of HSA extend: one GEMM per (query tile, kv head) of a request's new tokens against the reprs
-of its candidate pages, writing the same sortable keys as the decode's score kernel (one row per new token), so
-the decode's top-k and attention kernels run on them unchanged.
+of its candidate pages, writing the same sortable keys as the decode's score kernel (one row per new token) in
+blocks of 128 rows x 64 pages (``schedule.key_blocks_shape``: each step of a tile writes whole blocks), which the
+extend's build of the decode's top-k reads.
 
 A tile is `tokens` consecutive new tokens of one request, one GEMM row per token: the G query heads of the kv
 head's group are G products, accumulated into one [tokens, pages] tile (group) or kept apart and maxed (head), each
@@ -12,23 +13,24 @@ of the tile walks the candidates of its last one (the most); a token's own count
 
 import tilelang.language as T
 
-from ..schedule import score_block_pages
-from .common import first_local, score_to_key, u32
+from ..schedule import KEY_PAGES, KEY_ROWS, score_block_pages
+from .common import first_local, key_block_index, score_to_key, u32
 
 
 def hsa_extend_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: str,
                             selection_strategy: str, window_size: int, scale: float, tokens: int,
                             block_pages: int | None = None, num_stages: int = 2, threads: int = 256):
-    """keys[row, h, j] for the candidate pages j < n_cand(row) of every new token `row` (n_cand from its decode
-    length row_lens[row] = p + 1): sortable bits of the score, 0 when the repr is invalid (NaN in reprs). Tile t
-    covers rows tile_row0[t] .. of request tile_req[t] up to `tokens` of them within the request; a call scores the
-    tiles of requests req_base .. req_base + chunk_reqs - 1 (others, and spare tiles of request -1, idle), reprs[b,
-    j] being request req_base + b's logical page j's repr."""
+    """keys (row, h, j) for the candidate pages j < n_cand(row) of every new token `row` (n_cand from its decode
+    length row_lens[row] = p + 1), in the blocked layout of ``schedule.key_blocks_shape``: sortable bits of the
+    score, 0 when the repr is invalid (NaN in reprs). Tile t covers rows tile_row0[t] .. of request tile_req[t] up to
+    `tokens` of them within the request; a call scores the tiles of requests req_base .. req_base + chunk_reqs - 1
+    (others, and spare tiles of request -1, idle), reprs[b, j] being request req_base + b's logical page j's repr."""
     G = num_heads // num_kv_heads
     heads = G if selection_strategy == "head" else 1  # accumulators
     if block_pages is None:
         block_pages = score_block_pages(selection_strategy, G, head_dim, tokens, num_stages, threads)
-    total_q, batch, max_pages, num_tiles, chunk_reqs = T.dynamic("total_q, batch, max_pages, num_tiles, chunk_reqs")
+    total_q, batch, max_pages, num_tiles, chunk_reqs, row_blocks, page_blocks = T.dynamic(
+        "total_q, batch, max_pages, num_tiles, chunk_reqs, row_blocks, page_blocks")
     f32 = "float32"
 
     def n_cand(L):
@@ -41,7 +43,7 @@ def hsa_extend_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                          tile_req: T.Tensor((num_tiles,), "int32"),
                          tile_row0: T.Tensor((num_tiles,), "int32"),
                          reprs: T.Tensor((chunk_reqs, max_pages, num_kv_heads, head_dim), dtype),
-                         keys: T.Tensor((total_q, num_kv_heads, max_pages), "uint32"),
+                         keys: T.Tensor((num_kv_heads, row_blocks, page_blocks, KEY_ROWS, KEY_PAGES), "uint32"),
                          req_base: T.int32):
         with T.Kernel(num_tiles, num_kv_heads, threads=threads) as (t, h):
             q_s = [T.alloc_shared((tokens, head_dim), dtype) for _ in range(G)]
@@ -70,7 +72,7 @@ def hsa_extend_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
                             for a in acc[1:]:
                                 score = T.max(score, a[i, j])
                             # an invalid page's repr arrives as NaN (no per-key load of its valid bit)
-                            keys[row0 + i, h, j0 + j] = T.if_then_else(T.isnan(score), u32(0),
-                                                                       score_to_key(score * scale))
+                            keys[key_block_index(row0 + i, h, j0 + j)] = T.if_then_else(
+                                T.isnan(score), u32(0), score_to_key(score * scale))
 
     return hsa_extend_score

@@ -4,8 +4,8 @@ crowded histogram bin fall back to the radix select of ``radix_select`` (see doc
 
 import tilelang.language as T
 
-from ..schedule import HIST_BITS, IDX_BITS, RADIX, RANK_MAX, RANK_UNROLL
-from .common import first_local, key_to_score, u32
+from ..schedule import HIST_BITS, IDX_BITS, KEY_PAGES, KEY_ROWS, RADIX, RANK_MAX, RANK_UNROLL
+from .common import KeyBlocks, first_local, key_to_score, u32
 from ...common.tl.radix import suffix_sum
 from .radix_select import KEY_BATCH, load_batch, scatter, select
 
@@ -62,7 +62,7 @@ def write_ranked(comp, n, k_eff, page_table, b, h, selected_page_ids, selected_s
 
 
 def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: int, threads: int = RADIX,
-                    hist_bits: int = HIST_BITS):
+                    hist_bits: int = HIST_BITS, key_blocks: bool = False):
     """Top-k of the key rows keys[b, h, :n_cand(b)] by (key, smaller logical page first), one CTA of `threads`
     (32 to RADIX, a power of two) per (request, kv head). A first pass over the row counts its keys by their top
     `hist_bits` bits in shared memory; the bin of the k-th key bounds the candidates: the keys in it and above.
@@ -70,21 +70,25 @@ def hsa_topk_kernel(num_kv_heads: int, page_size: int, topk: int, window_size: i
     a second pass collects them and each is ranked by counting. Otherwise (a crowded bin, e.g. many equal
     scores, or topk > RANK_MAX) a radix select over the row finds the k winners first. Winners go to
     selected_page_ids / selected_scores best first, padded with -1 / -inf. Fewer threads and bins suit short
-    rows (HSA extend's: many rows of ~1000 keys, each CTA's time mostly latency): more rows in flight per SM."""
+    rows (HSA extend's: many rows of ~1000 keys, each CTA's time mostly latency): more rows in flight per SM.
+    `key_blocks`: the keys in HSA extend's blocked layout (``schedule.key_blocks_shape``), row b's read there."""
     NT = threads
     NW = NT // 32
     BINS = 1 << hist_bits
     BPT = BINS // NT  # histogram bins per thread
     n_comp = -(-max(topk, RANK_MAX) // NT) * NT
-    batch, max_pages = T.dynamic("batch, max_pages")
+    batch, max_pages, row_blocks, page_blocks = T.dynamic("batch, max_pages, row_blocks, page_blocks")
+    keys_shape = ((num_kv_heads, row_blocks, page_blocks, KEY_ROWS, KEY_PAGES) if key_blocks else
+                  (batch, num_kv_heads, max_pages))
 
     @T.prim_func
-    def hsa_topk(keys: T.Tensor((batch, num_kv_heads, max_pages), "uint32"),
+    def hsa_topk(key_buf: T.Tensor(keys_shape, "uint32"),
                  page_table: T.Tensor((batch, max_pages), "int32"),
                  seq_lens: T.Tensor((batch,), "int32"),
                  selected_page_ids: T.Tensor((batch, num_kv_heads, topk), "int32"),
                  selected_scores: T.Tensor((batch, num_kv_heads, topk), "float32")):
         with T.Kernel(num_kv_heads, batch, threads=NT) as (h, b):
+            keys = KeyBlocks(key_buf) if key_blocks else key_buf  # keys[b, h, page]
             tx = T.get_thread_binding()
             comp = T.alloc_shared((n_comp,), "uint64")
             key_hist = T.alloc_shared((BINS,), "int32")
