@@ -12,7 +12,7 @@ from ops.common.runtime import compile_kernel
 from ops.hsa import HSADecodeTileLang, HSAPageReprTileLang
 from ops.hsa.kernels.topk import hsa_topk_kernel
 from ops.hsa.schedule import EXTEND_HIST_BITS, EXTEND_TOPK_THREADS
-from test_hsa_extend import rows_to_key_blocks  # tests/ is on sys.path under pytest
+from test_hsa_extend import rows_to_key_tiles  # tests/ is on sys.path under pytest
 
 pytestmark = pytest.mark.gpu
 
@@ -134,8 +134,8 @@ def test_ties_go_to_smaller_logical_page_crowded_bin(name, row):
 
 @pytest.mark.parametrize("name,crowded", [("bench", False), ("long", False), ("long", True), ("wide", True)])
 def test_extend_topk_build_selects_the_same(name, crowded):
-    """HSA extend's build of the top-k (fewer threads and histogram bins, blocked keys) picks what the decode's does,
-    bitwise: random scores, and every score equal (the ranking by counting, and past 512 candidates the radix
+    """HSA extend's build of the top-k (fewer threads and histogram bins, keys by score tile) picks what the decode's
+    does, bitwise: random scores, and every score equal (the ranking by counting, and past 512 candidates the radix
     select)."""
     op, inputs = get_op(name), make_case(name, seed=6, invalid_frac=0.0 if crowded else 0.1)
     if crowded:
@@ -145,10 +145,14 @@ def test_extend_topk_build_selects_the_same(name, crowded):
     op.score_kernel(inputs["q"], inputs["page_table"], inputs["seq_lens"], inputs["chunk_repr"],
                     op.valid_bytes(inputs["repr_valid"], inputs["chunk_repr"].shape[0], inputs["q"].device), keys)
     extend_topk = compile_kernel(hsa_topk_kernel(s["num_kv_heads"], s["page_size"], s["topk"], s["window_size"],
-                                                 EXTEND_TOPK_THREADS, EXTEND_HIST_BITS, key_blocks=True))
+                                                 EXTEND_TOPK_THREADS, EXTEND_HIST_BITS, tile_rows=128))
     ids, scores = op.top_pages(keys, inputs["page_table"], inputs["seq_lens"])
-    blocks = rows_to_key_blocks(keys.view(torch.int32), keys.shape[0], keys.shape[2])  # the extend's layout
-    ids_x, scores_x = op.top_pages(blocks, inputs["page_table"], inputs["seq_lens"], extend_topk)
+    # the extend's layout: keys by score tiles of 128 rows, each request a row of its own
+    B = keys.shape[0]
+    key_rows = torch.arange(B, dtype=torch.int32, device=keys.device)
+    tiles = rows_to_key_tiles(keys.view(torch.int32), key_rows, -(-B // 128), 128, keys.shape[2])
+    ids_x, scores_x = torch.empty_like(ids), torch.empty_like(scores)
+    extend_topk(tiles, key_rows, inputs["page_table"], inputs["seq_lens"], ids_x, scores_x)
     assert torch.equal(ids_x, ids) and torch.equal(scores_x, scores)
 
 

@@ -14,8 +14,7 @@ from golden.hsa_decode import extend_rows, hsa_extend, local_range, random_case,
 import ops.hsa.decode as decode_module
 import ops.hsa.extend as extend_module
 from ops.hsa import HSAExtendTileLang
-from ops.hsa.kernels.common import key_block_index
-from ops.hsa.schedule import key_blocks_shape
+from ops.hsa.schedule import KEY_PAGES, key_tiles_shape
 from test_hsa_decode import COMPILE_SPECS  # tests/ is on sys.path under pytest
 
 # the spec of test_hsa_decode.py's COMPILE_SPECS[0]: its kernels are built there
@@ -145,48 +144,34 @@ def _combine_emulation(o_part, logit_part, out):
     out.copy_(torch.einsum("rsh,rshd->rhd", w, torch.where(w[..., None] > 0, o_part.double(), 0)))
 
 
-def key_blocks_to_rows(keys):
-    """Blocked selection keys (schedule.key_blocks_shape) as int32 [rows padded to KEY_ROWS, Hkv, pages padded to
-    KEY_PAGES] (a copy)."""
-    Hkv, RB, PB, R, P = keys.shape
-    return keys.view(torch.int32).permute(1, 3, 0, 2, 4).reshape(RB * R, Hkv, PB * P)
+def key_tiles_to_rows(keys, key_rows):
+    """Keys by score tile (schedule.key_tiles_shape; any 32-bit dtype) as int32 [rows, Hkv, pages padded to
+    KEY_PAGES], row r's from key row key_rows[r]."""
+    Hkv, NT, PB, R, P = keys.shape
+    return keys.view(torch.int32).permute(1, 3, 0, 2, 4).reshape(NT * R, Hkv, PB * P)[key_rows.long()]
 
 
-def rows_to_key_blocks(rows, num_rows, max_pages):
-    """The inverse: int32 keys [rows, Hkv, pages] (at least num_rows x max_pages, padding included) as the blocked
-    uint32 keys of num_rows x max_pages."""
-    Hkv, RB, PB, R, P = key_blocks_shape(num_rows, rows.shape[1], max_pages)
-    padded = rows.new_zeros(RB * R, Hkv, PB * P)
-    n, m = min(rows.shape[0], RB * R), min(rows.shape[2], PB * P)
-    padded[:n, :, :m] = rows[:n, :, :m]
-    return padded.view(RB, R, Hkv, PB, P).permute(2, 0, 3, 1, 4).contiguous().view(torch.uint32)
-
-
-def test_key_blocks_index_is_the_layout():
-    """The kernels' key_block_index (row, h, page) -> position in the blocked keys, against the torch conversion the
-    emulations use (uneven rows and pages: partial blocks)."""
-    rows, Hkv, pages = 300, 3, 150
-    keys = torch.arange(rows * Hkv * pages, dtype=torch.int32).view(rows, Hkv, pages)
-    blocks = rows_to_key_blocks(keys, rows, pages)
-    assert blocks.shape == key_blocks_shape(rows, Hkv, pages)
-    for row, h, page in itertools.product((0, 127, 128, 299), range(Hkv), (0, 63, 64, 149)):
-        assert int(blocks.view(torch.int32)[key_block_index(row, h, page)]) == int(keys[row, h, page])
-    assert torch.equal(key_blocks_to_rows(blocks)[:rows, :, :pages], keys)
+def rows_to_key_tiles(rows, key_rows, num_tiles, tokens, max_pages):
+    """The inverse: int32 keys [rows, Hkv, pages] placed at their key rows in uint32 keys by score tile."""
+    Hkv, NT, PB, R, P = key_tiles_shape(num_tiles, rows.shape[1], max_pages, tokens)
+    flat = rows.new_zeros(NT * R, Hkv, PB * P)
+    m = min(rows.shape[2], PB * P)
+    flat[key_rows.long(), :, :m] = rows[:, :, :m]
+    return flat.view(NT, R, Hkv, PB, P).permute(2, 0, 3, 1, 4).contiguous().view(torch.uint32)
 
 
 def _score_emulation(spec, tokens):
-    """The score kernel's definition on the CPU: keys (blocked) of each tile's rows against reprs[b - req_base], for
-    the tiles of requests req_base .. req_base + len(reprs) - 1; a NaN score (an invalid repr) is key 0. Scores as
-    the golden computes them (fp32 einsum), so selections compare exactly."""
+    """The score kernel's definition on the CPU: keys (by score tile, as fp32 bits) of each tile's rows against
+    reprs[b - req_base], for the tiles of requests req_base .. req_base + len(reprs) - 1; a NaN score (an invalid
+    repr) is key 0. Scores as the golden computes them (fp32 einsum), so selections compare exactly."""
     H, Hkv, ps = spec["num_heads"], spec["num_kv_heads"], spec["page_size"]
     G, scale = H // Hkv, spec["head_dim"] ** -0.5
 
-    def kernel(q, cum, row_lens, tile_req, tile_row0, reprs, key_blocks, req_base):
-        keys = key_blocks_to_rows(key_blocks)
-        for b, row0 in zip(tile_req.tolist(), tile_row0.tolist()):
+    def kernel(q, cum, row_lens, tile_req, tile_row0, reprs, key_tiles, req_base):
+        for t, (b, row0) in enumerate(zip(tile_req.tolist(), tile_row0.tolist())):
             if not req_base <= b < req_base + reprs.shape[0]:
                 continue
-            for row in range(row0, min(row0 + tokens, int(cum[b + 1]))):
+            for i, row in enumerate(range(row0, min(row0 + tokens, int(cum[b + 1])))):
                 n = local_range(int(row_lens[row]), ps, spec["window_size"])[1] // ps
                 qg = q[row].float().view(Hkv, G, -1)
                 E = reprs[b - req_base, :n].float()
@@ -196,16 +181,17 @@ def _score_emulation(spec, tokens):
                     s = (scale * torch.einsum("hgd,chd->hgc", qg, E)).amax(dim=1)
                 bits = s.view(torch.int32)
                 key = torch.where(bits < 0, ~bits, bits | -(1 << 31))
-                keys[row, :, :n] = torch.where(s.isnan(), 0, key)
-        key_blocks.copy_(rows_to_key_blocks(keys, keys.shape[0], keys.shape[2]))
+                key = torch.where(s.isnan(), 0, key).view(torch.float32)
+                for j0 in range(0, n, KEY_PAGES):
+                    key_tiles[:, t, j0 // KEY_PAGES, i, :min(KEY_PAGES, n - j0)] = key[:, j0:j0 + KEY_PAGES]
     return kernel
 
 
 def _topk_emulation(spec):
-    """The top-k kernel's definition: per (row, kv head) its candidates' keys (0: none; blocked) best first, ties to
-    the smaller logical page, as page ids (-1 past the candidates)."""
-    def kernel(key_blocks, page_table, seq_lens, ids, scores):
-        keys = key_blocks_to_rows(key_blocks)
+    """The top-k kernel's definition: per (row, kv head) its candidates' keys (0: none; by score tile, row r's at key
+    row key_rows[r]) best first, ties to the smaller logical page, as page ids (-1 past the candidates)."""
+    def kernel(key_tiles, key_rows, page_table, seq_lens, ids, scores):
+        keys = key_tiles_to_rows(key_tiles, key_rows)
         ids.fill_(-1)
         for row in range(seq_lens.shape[0]):
             n = local_range(int(seq_lens[row]), spec["page_size"], spec["window_size"])[1] // spec["page_size"]
@@ -222,7 +208,15 @@ def test_plan_rows_are_the_goldens(op):
     plan = op.plan(b["page_table"], b["seq_lens"], b["cum_seq_lens_q"], b["q"].shape[0], b["chunk_repr"].shape[0])
     req, lens = extend_rows(b["seq_lens"], b["cum_seq_lens_q"])
     assert torch.equal(plan.page_table, b["page_table"][req]) and torch.equal(plan.seq_lens, lens)
-    assert plan.page_table.dtype == plan.seq_lens.dtype == torch.int32
+    assert plan.page_table.dtype == plan.seq_lens.dtype == plan.score_key_rows.dtype == torch.int32
+    # each token's row of the keys: its score tile x tokens + its row in the tile
+    T = op.score_tokens
+    want = torch.full((b["q"].shape[0],), -1, dtype=torch.int32)
+    for t, (r, row0) in enumerate(zip(plan.score_tile_req.tolist(), plan.score_tile_row0.tolist())):
+        if r >= 0:
+            end = min(row0 + T, int(b["cum_seq_lens_q"][r + 1]))
+            want[row0:end] = torch.arange(t * T, t * T + end - row0, dtype=torch.int32)
+    assert torch.equal(plan.score_key_rows, want)
 
 
 @pytest.mark.compile

@@ -174,8 +174,8 @@ class HSADecodeTileLang(Op):
 
     def top_pages(self, keys, page_table, seq_lens, topk_kernel=None):
         """(selected_page_ids, selected_scores) of the scored rows: the top-k of each (row, kv head), by the
-        decode's top-k kernel or another build of it (``topk_kernel``: HSA extend's, which reads blocked keys)."""
-        B, Hkv, k = seq_lens.shape[0], self.spec["num_kv_heads"], self.spec["topk"]
+        decode's top-k kernel or another build of it (``topk_kernel``: HSA extend's)."""
+        B, Hkv, k = keys.shape[0], self.spec["num_kv_heads"], self.spec["topk"]
         ids = torch.empty(B, Hkv, k, dtype=torch.int32, device=keys.device)
         scores = torch.empty(B, Hkv, k, dtype=torch.float32, device=keys.device)
         (topk_kernel or self.topk_kernel)(keys, page_table, seq_lens, ids, scores)

@@ -26,7 +26,7 @@ from .kernels.extend_local import hsa_extend_local_kernel
 from .kernels.extend_pages import hsa_extend_combine_kernel, hsa_extend_pages_kernel
 from .kernels.extend_score import hsa_extend_score_kernel
 from .kernels.topk import hsa_topk_kernel
-from .schedule import (EXTEND_HIST_BITS, EXTEND_REPRS_BYTES, EXTEND_TOPK_THREADS, extend_tile_tokens, key_blocks_shape,
+from .schedule import (EXTEND_HIST_BITS, EXTEND_REPRS_BYTES, EXTEND_TOPK_THREADS, extend_tile_tokens, key_tiles_shape,
                        score_tile_tokens)
 
 
@@ -35,7 +35,8 @@ class ExtendPlan:
     """An extend batch (``HSAExtendTileLang.plan``) as decode rows: per new token its request's page-table row
     [total_q, max_pages] and its decode length [total_q]; and as query tiles for the scores and the attention: per
     tile its request (-1: a spare tile) and first row, with the batch's page table and cum_seq_lens_q (all int32); the
-    score kernel's tiles (``schedule.score_tile_tokens`` tokens each) the same way."""
+    score kernel's tiles (``schedule.score_tile_tokens`` tokens each) the same way, and per new token its row of their
+    keys (tile x tokens + its row in the tile)."""
     page_table: torch.Tensor
     seq_lens: torch.Tensor
     total_q: int
@@ -45,6 +46,7 @@ class ExtendPlan:
     tile_row0: torch.Tensor
     score_tile_req: torch.Tensor
     score_tile_row0: torch.Tensor
+    score_key_rows: torch.Tensor
 
 
 class HSAExtendTileLang(Op):
@@ -100,7 +102,7 @@ class HSAExtendTileLang(Op):
                                     sp["scale"], self.tile_tokens, part=topk, threads=32 * min(4, page_size // 8)),
             pass_configs=NO_WARP_SPECIALIZATION)
         self.topk_kernel = compile_kernel(hsa_topk_kernel(num_kv_heads, page_size, topk, window_size,
-                                                          EXTEND_TOPK_THREADS, EXTEND_HIST_BITS, key_blocks=True))
+                                                          EXTEND_TOPK_THREADS, EXTEND_HIST_BITS, self.score_tokens))
         self.count_kernel = compile_kernel(hsa_extend_count_kernel(num_kv_heads, topk))
         self.place_kernel = compile_kernel(hsa_extend_place_kernel(num_kv_heads, topk))
         self.pages_kernel = compile_kernel(hsa_extend_pages_kernel(
@@ -132,9 +134,19 @@ class HSAExtendTileLang(Op):
         rows = torch.arange(total_q, device=dev, dtype=torch.int32)
         req = torch.searchsorted(cum_seq_lens_q[1:], rows, right=True).clamp_(max=max(B - 1, 0))
         pos = seq_lens[req] - q_lens[req] + rows - cum_seq_lens_q[req]
+        # each token's score tile: its request's first tile, plus its offset in the request / score_tokens
+        off = rows - cum_seq_lens_q[req]
+        key_rows = self.first_tiles(cum_seq_lens_q, self.score_tokens)[0][req] * self.score_tokens + off
         return ExtendPlan(page_table[req], (pos + 1).to(torch.int32), total_q, page_table, cum_seq_lens_q,
                           *self.tiles(cum_seq_lens_q, total_q, self.tile_tokens),
-                          *self.tiles(cum_seq_lens_q, total_q, self.score_tokens))
+                          *self.tiles(cum_seq_lens_q, total_q, self.score_tokens), key_rows.to(torch.int32))
+
+    @staticmethod
+    def first_tiles(cum_seq_lens_q: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each request's first tile, its tile count) of the query tiles of ``tokens`` new tokens (``tiles``)."""
+        q_lens = (cum_seq_lens_q[1:] - cum_seq_lens_q[:-1]).long()
+        per_req = (q_lens + tokens - 1) // tokens
+        return per_req.cumsum(0) - per_req, per_req
 
     @staticmethod
     def tiles(cum_seq_lens_q: torch.Tensor, total_q: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,9 +155,7 @@ class HSAExtendTileLang(Op):
         with request -1."""
         B = cum_seq_lens_q.shape[0] - 1
         bound = (total_q + B * (tokens - 1)) // tokens
-        q_lens = (cum_seq_lens_q[1:] - cum_seq_lens_q[:-1]).long()
-        per_req = (q_lens + tokens - 1) // tokens  # each request's tiles, its first tile's index
-        first = per_req.cumsum(0) - per_req
+        first, per_req = HSAExtendTileLang.first_tiles(cum_seq_lens_q, tokens)
         t = torch.arange(bound, device=cum_seq_lens_q.device)
         req = torch.searchsorted(first + per_req, t, right=True)
         real = req < B
@@ -201,9 +211,10 @@ class HSAExtendTileLang(Op):
     def select(self, q, chunk_repr, plan: ExtendPlan, repr_valid=None) -> torch.Tensor:
         """selected_page_ids [total_q, Hkv, topk] of the planned batch: the tiles' scores, then the decode's top-k
         (built for short rows: ``EXTEND_TOPK_THREADS``, ``EXTEND_HIST_BITS``) over each row."""
-        # blocked (schedule.key_blocks_shape); int32: torch has few uint32 kernels
-        keys = torch.empty(key_blocks_shape(plan.total_q, self.spec["num_kv_heads"], plan.page_table.shape[1]),
-                           dtype=torch.int32, device=q.device).view(torch.uint32)
+        # by score tile (schedule.key_tiles_shape): the score kernel stores them as fp32 bits, the top-k reads uint32
+        keys = torch.empty(key_tiles_shape(plan.score_tile_req.numel(), self.spec["num_kv_heads"],
+                                           plan.page_table.shape[1], self.score_tokens), dtype=torch.float32,
+                           device=q.device)
         if plan.score_tile_req.numel():
             # The requests' reprs in page-table order, so that the score kernel reads a step's pages as one box, an
             # invalid one as NaN; entries past a request's pages may hold any id (their keys are never written).
@@ -219,7 +230,11 @@ class HSAExtendTileLang(Op):
                     reprs.masked_fill_(invalid, float("nan"))
                 self.score_kernel(q, plan.cum_seq_lens_q, plan.seq_lens, plan.score_tile_req, plan.score_tile_row0,
                                   reprs, keys, b0)
-        ids, _ = self.decode.top_pages(keys, plan.page_table, plan.seq_lens, self.topk_kernel)
+        Hkv, k = self.spec["num_kv_heads"], self.spec["topk"]
+        ids = torch.empty(plan.total_q, Hkv, k, dtype=torch.int32, device=q.device)
+        scores = torch.empty(plan.total_q, Hkv, k, dtype=torch.float32, device=q.device)
+        self.topk_kernel(keys.view(torch.int32).view(torch.uint32), plan.score_key_rows, plan.page_table,
+                         plan.seq_lens, ids, scores)
         return ids
 
     def __call__(self, q, k_buffer, v_buffer, page_table, seq_lens, cum_seq_lens_q, chunk_repr, repr_valid=None,

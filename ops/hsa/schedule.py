@@ -33,16 +33,16 @@ def extend_tile_tokens(num_heads: int, num_kv_heads: int) -> int:
 # bytes of requests at a time: batches of many requests on a long page table score in several launches instead of
 # one workspace of their whole table.
 EXTEND_REPRS_BYTES = 256 << 20
-# HSA extend's selection keys in blocks of KEY_ROWS rows x KEY_PAGES pages, 32 KB contiguous each ([Hkv, row block,
-# page block, row, page]): a score tile's step writes one or two blocks whole. As [rows, Hkv, max_pages] (a row's
-# 64 keys of a step 67 KB from the next row's at the bench's (c)) the score kernel took 1.7x as long at (c); as fast
-# at (a) and (b) (H200: docs/design/hsa.md).
-KEY_ROWS, KEY_PAGES = 128, 64
+# HSA extend's selection keys by score tile ([Hkv, tile, page block, tile row, page]): a tile's step is one box of
+# its tokens x KEY_PAGES pages, stored whole from the accumulator (8-byte stores). Stored key by key (4-byte stores,
+# rows [rows, Hkv, max_pages] or blocks of 128 rows) the score kernel took 1.6-1.7x as long at the bench's rows
+# (H200: docs/design/hsa.md).
+KEY_PAGES = 64
 
 
-def key_blocks_shape(rows: int, num_kv_heads: int, max_pages: int) -> tuple[int, ...]:
-    """Shape of the blocked selection keys of `rows` rows of `max_pages` candidates."""
-    return num_kv_heads, -(-rows // KEY_ROWS), -(-max_pages // KEY_PAGES), KEY_ROWS, KEY_PAGES
+def key_tiles_shape(num_tiles: int, num_kv_heads: int, max_pages: int, tokens: int) -> tuple[int, ...]:
+    """Shape of the selection keys of `num_tiles` score tiles of `tokens` rows, `max_pages` candidates each."""
+    return num_kv_heads, num_tiles, -(-max_pages // KEY_PAGES), tokens, KEY_PAGES
 
 
 # Shared memory the score tile's queries may take (tokens x G x head_dim 16-bit values), beside two stages of reprs.

@@ -1,13 +1,13 @@
 """What the HSA kernels share: the local window's first token, the selection key's encoding of an fp32 score (a
-sortable unsigned 32-bit key; 0 marks a non-candidate) and the extend's blocked layout of the keys, and the merge of
-one page into rows' running attention state (the decode's and the extend's local kernel's)."""
+sortable unsigned 32-bit key; 0 marks a non-candidate) and the extend's keys by score tile, and the merge of one
+page into rows' running attention state (the decode's and the extend's local kernel's)."""
 
 from types import SimpleNamespace
 
 import tilelang.language as T
 from tvm.tirx import Buffer
 
-from ..schedule import KEY_PAGES, KEY_ROWS
+from ..schedule import KEY_PAGES
 
 
 def first_local(L, page_size: int, window_size: int):
@@ -33,20 +33,17 @@ def key_to_score(key):
     return T.reinterpret(bits, "float32")
 
 
-class KeyBlocks:
-    """keys[row, h, page] of blocked selection keys (``schedule.key_blocks_shape``) for the kernels that read rows."""
+class KeyTiles:
+    """keys[row, h, page] of the selection keys by score tiles of `tile_rows` rows (``schedule.key_tiles_shape``) for
+    a kernel that reads one row: `key_row` its tile x tile_rows + its row in the tile."""
 
-    def __init__(self, buf: Buffer):
-        self.buf = buf
+    def __init__(self, buf: Buffer, key_row, tile_rows: int):
+        self.buf, self.key_row, self.tile_rows = buf, key_row, tile_rows
 
     def __getitem__(self, idx):
-        row, h, page = idx
-        return self.buf[key_block_index(row, h, page)]
-
-
-def key_block_index(row, h, page):
-    """Where key (row, h, page) lies in blocked selection keys."""
-    return h, row // KEY_ROWS, page // KEY_PAGES, row % KEY_ROWS, page % KEY_PAGES
+        _, h, page = idx
+        t, i = self.key_row // self.tile_rows, self.key_row % self.tile_rows
+        return self.buf[h, t, page // KEY_PAGES, i, page % KEY_PAGES]
 
 
 def _at(x, g):
