@@ -217,7 +217,7 @@ class HSAExtendTileLang(Op):
                            device=q.device)
         if plan.score_tile_req.numel():
             # The requests' reprs in page-table order, so that the score kernel reads a step's pages as one box, an
-            # invalid one as NaN; entries past a request's pages may hold any id (their keys are never written).
+            # invalid one as NaN; entries past a request's pages may hold any id (their keys are never read).
             # EXTEND_REPRS_BYTES of them at a time, the kernel scoring those requests' tiles.
             table = plan.request_page_table
             row_bytes = table.shape[1] * chunk_repr[0].numel() * chunk_repr.element_size()
