@@ -63,10 +63,11 @@ class HSAExtendTileLang(Op):
     ``validate=False`` skips them (CUDA-graph capturable). The constructor is HSA decode's.
 
     Workspace per call: the partial slots, total_q x (topk + 1) x num_heads x (2 x head_dim + 4) bytes (16-bit
-    outputs and fp32 logits; 8.7 GB for 16384 new tokens at H = 32, D = 128, topk = 64), the selection keys
-    (total_q x num_kv_heads x max_pages x 4 bytes), the requests' reprs in page-table order (B x max_pages x
-    num_kv_heads x head_dim x 2 bytes, at most ``schedule.EXTEND_REPRS_BYTES`` of requests at a time) and the entry
-    lists (total_q x num_kv_heads x topk x 8 bytes)."""
+    outputs and fp32 logits; 8.7 GB for 16384 new tokens at H = 32, D = 128, topk = 64), the selection keys (by
+    score tile: score tiles x their tokens x num_kv_heads x max_pages rounded up to 64, x 4 bytes), the requests'
+    reprs in page-table order (B x max_pages x num_kv_heads x head_dim x 2 bytes, at most
+    ``schedule.EXTEND_REPRS_BYTES`` of requests at a time) and the entry lists (total_q x num_kv_heads x topk x 8
+    bytes)."""
 
     op_name = "hsa_extend"
     warm_specs = (BENCH_SPEC,)

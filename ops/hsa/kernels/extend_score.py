@@ -30,6 +30,7 @@ def hsa_extend_score_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
     heads = G if selection_strategy == "head" else 1  # accumulators
     if block_pages is None:
         block_pages = score_block_pages(selection_strategy, G, head_dim, tokens, num_stages, threads)
+    assert KEY_PAGES % block_pages == 0, "a step's keys are one box within a page block"
     total_q, batch, max_pages, num_tiles, chunk_reqs, page_blocks = T.dynamic(
         "total_q, batch, max_pages, num_tiles, chunk_reqs, page_blocks")
     f32 = "float32"
