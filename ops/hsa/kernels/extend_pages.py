@@ -71,8 +71,10 @@ def hsa_extend_pages_kernel(num_heads: int, num_kv_heads: int, head_dim: int, pa
             e0 = group_start[h * num_pages + p]
             n = group_start[h * num_pages + p + 1] - e0
             if n > 0:
-                T.copy(k_buffer[p * page_size:(p + 1) * page_size, h, :], k_s)
-                T.copy(v_buffer[p * page_size:(p + 1) * page_size, h, :], v_s)
+                # K and V by cp.async, waited with the first block's query rows (the pipeline's first wait): their
+                # latency overlaps the entry lists' loads and the gather's issue
+                T.async_copy(k_buffer[p * page_size:(p + 1) * page_size, h, :], k_s)
+                T.async_copy(v_buffer[p * page_size:(p + 1) * page_size, h, :], v_s)
                 if fuse_z:
                     for r, d in T.Parallel(ZN, head_dim):
                         e_s[r, d] = T.if_then_else(r == 0, chunk_repr[p, h, d], T.cast(0, dtype))
