@@ -376,7 +376,12 @@ def test_compiles_for_sm90a(spec):
     # warpgroup products where the tile has a wgmma's 64 rows (tokens), mma.sync below (G x head_dim of 4096)
     assert "__global__" in source and ("wgmma" if op.score_tokens >= 64 else "mma_sync") in source
     assert "hsa_extend_local" in op.local_kernel.get_kernel_source()
-    assert "hsa_extend_pages" in op.pages_kernel.get_kernel_source()
+    pages = op.pages_kernel.get_kernel_source()
+    body = pages[pages.index("__global__"):]
+    # K and V arrive by cp.async with no wait of their own: the gather pipeline's full wait must come before any
+    # product reads them
+    first_product = min(body.find(m) for m in ("wgmma", "gemm") if m in body)
+    assert "hsa_extend_pages" in pages and -1 < body.find("cp_async_wait<0>") < first_product
     assert "AtomicAdd" in op.count_kernel.get_kernel_source() and "AtomicAddRet" in op.place_kernel.get_kernel_source()
     assert "hsa_topk" in op.topk_kernel.get_kernel_source()
     assert "hsa_extend_combine" in op.combine_kernel.get_kernel_source()
